@@ -1,0 +1,202 @@
+"""What a pool holds: the seed's arithmetic, next to what kvd's allocator achieves.
+
+The *eager* figures are the seed's formulas: every sequence reserves its whole
+sliding window up front (the "320 MiB floor" for Gemma 4 12B), global layers
+grow per token. The *kvd* figures are not a second formula: they come from
+running the real allocator (``KVManager``) on an empty pool of that size, with
+lazy windows, page-group layout and block granularity, until it refuses.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvd.kv.geometry import AttentionKind, KVGeometry
+from kvd.kv.layout import build_layout
+from kvd.kv.ledger import BudgetMode, TenantBudget
+from kvd.kv.manager import KVManager
+
+
+MAX_SIMULATED_PAGES = 4_000_000
+
+
+class BytesPerToken(msgspec.Struct, frozen=True):
+    total: int
+    global_: int = msgspec.field(name="global")
+    sliding: int
+
+
+class EagerCapacity(msgspec.Struct, frozen=True):
+    sliding_floor_bytes: int  # the whole window, reserved by every sequence at once
+    total_tokens: int  # tokens of KV in the whole pool, counting every layer per token
+    longest_sequence_tokens: int | None  # floor + global bytes per token; None: unbounded
+    max_sequences: int  # the floor alone, before any global-layer KV
+
+
+class KvdCapacity(msgspec.Struct, frozen=True):
+    block_size: int
+    page_bytes: int
+    num_pages: int  # allocatable pages (the null page excluded)
+    groups: int
+    global_groups: int
+    sliding_groups: int
+    padded_layer_slots: int
+    sliding_bytes_first_token: int  # what a 1-token sequence holds on sliding layers (lazy floor)
+    total_tokens: int  # tokens resident when the pool is filled with one-block sequences
+    max_sequences_512: int  # concurrent 512-token sequences
+    longest_sequence_tokens: int | None  # one sequence grown a block at a time; None: unbounded
+    max_waste_bytes_per_sequence: int  # one partly filled block per group
+    max_sequences_at_context: int | None = None
+
+
+class CapacityReport(msgspec.Struct, frozen=True):
+    model: str
+    dtype: str
+    layers: int
+    global_layers: int
+    sliding_layers: int
+    window: int | None
+    bytes_per_token: BytesPerToken
+    pool_bytes: int | None = None
+    context: int | None = None
+    sequence_bytes_at_context: int | None = None  # global x context + sliding x min(context, window)
+    eager_sequence_bytes_at_context: int | None = None  # the window reserved in full
+    eager: EagerCapacity | None = None
+    kvd: KvdCapacity | None = None
+
+
+def bytes_per_token(geometry: KVGeometry) -> BytesPerToken:
+    kinds = geometry.kinds()
+    per = {k: geometry.bytes_per_token(k) if k in kinds else 0 for k in AttentionKind}
+    return BytesPerToken(
+        total=sum(per.values()), global_=per[AttentionKind.GLOBAL], sliding=per[AttentionKind.SLIDING]
+    )
+
+
+def eager_capacity(geometry: KVGeometry, pool_bytes: int) -> EagerCapacity:
+    bpt = bytes_per_token(geometry)
+    floor = bpt.sliding * (geometry.window or 0)
+    longest: int | None = None  # only sliding layers: a fitting floor allows any length
+    if bpt.global_:
+        longest = max(0, (pool_bytes - floor) // bpt.global_)
+    return EagerCapacity(
+        sliding_floor_bytes=floor,
+        total_tokens=pool_bytes // bpt.total,
+        longest_sequence_tokens=longest,
+        max_sequences=pool_bytes // floor if floor else pool_bytes // bpt.total,
+    )
+
+
+def kvd_capacity(
+    geometry: KVGeometry, pool_bytes: int, block_size: int, context: int | None = None
+) -> KvdCapacity:
+    layout = build_layout(geometry, block_size)
+    pages = layout.num_pages(pool_bytes)
+    if pages < 2:
+        raise ValueError(
+            f"a pool of {pool_bytes} bytes holds fewer than two {layout.page_bytes}-byte pages"
+        )
+    if pages > MAX_SIMULATED_PAGES:
+        raise ValueError(
+            f"{pages:,} pages of {layout.page_bytes} bytes are too many to simulate "
+            f"(at most {MAX_SIMULATED_PAGES:,}); use a larger block size"
+        )
+    probe = _fresh(geometry, pool_bytes, block_size)
+    seq = probe.add_sequence(0, "probe", [0])
+    probe.allocate(seq, 1)
+    first_token_sliding = len(probe.sliding_groups) * layout.page_bytes
+    probe.check_invariants()
+    return KvdCapacity(
+        block_size=block_size,
+        page_bytes=layout.page_bytes,
+        num_pages=probe.pool.capacity,
+        groups=layout.num_groups,
+        global_groups=len(probe.global_groups),
+        sliding_groups=len(probe.sliding_groups),
+        padded_layer_slots=layout.padded_layer_slots(),
+        sliding_bytes_first_token=first_token_sliding,
+        total_tokens=block_size * _max_sequences(geometry, pool_bytes, block_size, block_size),
+        max_sequences_512=_max_sequences(geometry, pool_bytes, block_size, 512),
+        longest_sequence_tokens=_longest(geometry, pool_bytes, block_size),
+        max_waste_bytes_per_sequence=(block_size - 1) * bytes_per_token(geometry).total,
+        max_sequences_at_context=(
+            None if context is None else _max_sequences(geometry, pool_bytes, block_size, context)
+        ),
+    )
+
+
+def _fresh(geometry: KVGeometry, pool_bytes: int, block_size: int) -> KVManager:
+    kv = KVManager.for_pool_bytes(build_layout(geometry, block_size), pool_bytes, mode=BudgetMode.FREE)
+    kv.set_tenant("probe", TenantBudget())
+    return kv
+
+
+def _grow(kv: KVManager, seq_id: int, length: int) -> bool:
+    """Compute a ``length``-token sequence a block at a time; False once the pool refuses."""
+    seq = kv.add_sequence(seq_id, "probe", [0] * length)
+    step = kv.block_size
+    while seq.num_computed < length:
+        chunk = min(step, length - seq.num_computed)
+        if not kv.can_allocate(seq, chunk):
+            kv.finish(seq)
+            return False
+        kv.allocate(seq, chunk)
+        kv.commit(seq, chunk)
+    return True
+
+
+def _max_sequences(geometry: KVGeometry, pool_bytes: int, block_size: int, length: int) -> int:
+    kv = _fresh(geometry, pool_bytes, block_size)
+    count = 0
+    while _grow(kv, count, length):
+        count += 1
+    kv.check_invariants()
+    return count
+
+
+def _longest(geometry: KVGeometry, pool_bytes: int, block_size: int) -> int | None:
+    kv = _fresh(geometry, pool_bytes, block_size)
+    if not kv.global_groups:
+        return None  # sliding layers release as they go: length is not bounded by the pool
+    seq = kv.add_sequence(0, "probe", [0] * block_size)
+    while kv.can_allocate(seq, block_size):
+        kv.allocate(seq, block_size)
+        kv.commit(seq, block_size)
+        kv.append_tokens(seq, [0] * block_size)
+    kv.check_invariants()
+    return seq.num_computed
+
+
+def capacity_report(
+    geometry: KVGeometry,
+    pool_bytes: int | None = None,
+    *,
+    block_size: int = 16,
+    context: int | None = None,
+) -> CapacityReport:
+    bpt = bytes_per_token(geometry)
+    window = geometry.window
+    seq_bytes = eager_seq_bytes = None
+    if context is not None:
+        sliding_tokens = min(context, window) if window else context
+        seq_bytes = bpt.global_ * context + bpt.sliding * sliding_tokens
+        eager_seq_bytes = bpt.global_ * context + bpt.sliding * (window or context)
+    return CapacityReport(
+        model=geometry.name,
+        dtype=geometry.dtype,
+        layers=geometry.num_layers,
+        global_layers=len(geometry.layers_of(AttentionKind.GLOBAL)),
+        sliding_layers=len(geometry.layers_of(AttentionKind.SLIDING)),
+        window=window,
+        bytes_per_token=bpt,
+        pool_bytes=pool_bytes,
+        context=context,
+        sequence_bytes_at_context=seq_bytes,
+        eager_sequence_bytes_at_context=eager_seq_bytes,
+        eager=None if pool_bytes is None else eager_capacity(geometry, pool_bytes),
+        kvd=(
+            None
+            if pool_bytes is None
+            else kvd_capacity(geometry, pool_bytes, block_size, context)
+        ),
+    )

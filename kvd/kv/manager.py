@@ -1,0 +1,530 @@
+"""The KV manager: sequences' block tables over the one paged pool.
+
+It is sans-IO and synchronous. The scheduler drives it per step::
+
+    hit = kv.lookup(seq)                      # pure: what the prefix cache holds
+    if kv.can_allocate(seq, n, hit):          # pure: idle pages and budget allow it
+        kv.allocate(seq, n, hit)              # commit: pages referenced and charged
+    ... engine step writes K/V for those n tokens ...
+    kv.commit(seq, n)                         # full blocks cached, windows slide
+    kv.append_tokens(seq, [sampled])
+    kv.finish(seq)                            # pages back to the pool
+
+A prefix hit stays valid until a cached page is evicted (``pool.evictions``
+moves), so lookup, check and allocate belong in one scheduling decision.
+
+Sliding-window groups (lazy windows): a block is allocated only when a token
+lands in it, and released as soon as no future query can see it: a query at
+position q sees keys in (q - window, q], so after ``c`` tokens are computed
+every block wholly below ``c - window + 1`` goes back to the pool (into the
+LRU cache if it is full, so a later request with the same prefix can still
+use it). A short sequence therefore never pays the eager window floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from kvd.kv.geometry import AttentionKind
+from kvd.kv.layout import PageLayout
+from kvd.kv.ledger import BudgetMode, Ledger, TenantBudget
+from kvd.kv.pool import NULL_PAGE, PagePool
+from kvd.kv.scope import PublicPrefixes, Scope, SharingPolicy, chain_hashes, resolve_scope
+from kvd.kv.sequence import KVState, Sequence
+
+
+class KVError(RuntimeError):
+    """A KV operation that is not allowed in the sequence's or pool's state."""
+
+
+class PrefixHit(msgspec.Struct, frozen=True):
+    """What the prefix cache can serve a waiting sequence, as of ``epoch``.
+
+    ``pages[g]`` lists group g's pages for blocks ``[0, num_blocks)``, with the
+    null page where a sliding group needs no page (below ``sliding_start``).
+    """
+
+    num_blocks: int
+    num_tokens: int
+    sliding_start: int
+    pages: tuple[tuple[int, ...], ...]
+    epoch: int
+    scope: Scope
+
+
+class Demand(msgspec.Struct, frozen=True):
+    """What an allocation would take: idle pages, and new charges to the tenant."""
+
+    fresh_pages: int  # pages taken from idle with new content
+    reused_idle: int  # cached idle pages a hit revives
+    charges: int  # pages newly charged to the requesting tenant
+
+    @property
+    def idle_pages(self) -> int:
+        return self.fresh_pages + self.reused_idle
+
+
+class PageCopy(msgspec.Struct, frozen=True):
+    """One page to move between device and host for swapping."""
+
+    group: int
+    block: int
+    page: int
+
+
+class KVStats(msgspec.Struct, frozen=True):
+    capacity_pages: int
+    page_bytes: int
+    block_size: int
+    free_pages: int
+    cached_pages: int
+    referenced_pages: int
+    sequences: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    cache_evictions: int
+    policy: str
+    mode: str
+
+
+class KVManager:
+    def __init__(
+        self,
+        layout: PageLayout,
+        num_pages: int,
+        *,
+        mode: BudgetMode = BudgetMode.RESERVE,
+        policy: SharingPolicy = SharingPolicy.PUBLIC,
+    ) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.ledger = Ledger(num_pages - 1, mode)
+        self.pool = PagePool(num_pages, self.ledger)
+        self.policy = SharingPolicy(policy)
+        self.public = PublicPrefixes()
+        self.sequences: dict[int, Sequence] = {}
+        self.num_groups = layout.num_groups
+        self.global_groups = tuple(g.index for g in layout.groups_of(AttentionKind.GLOBAL))
+        self.sliding_groups = tuple(g.index for g in layout.groups_of(AttentionKind.SLIDING))
+        self.window = layout.geometry.window if self.sliding_groups else None
+        self._arrivals = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @classmethod
+    def for_pool_bytes(cls, layout: PageLayout, pool_bytes: int, **kwargs: object) -> KVManager:
+        return cls(layout, layout.num_pages(pool_bytes), **kwargs)  # type: ignore[arg-type]
+
+    # -- configuration, live -------------------------------------------------
+
+    def set_tenant(self, name: str, budget: TenantBudget) -> None:
+        self.ledger.set_tenant(name, budget)
+
+    def remove_tenant(self, name: str) -> None:
+        if any(s.tenant == name for s in self.sequences.values()):
+            raise KVError(f"tenant {name!r} still has sequences")
+        self.ledger.remove_tenant(name)
+
+    def set_mode(self, mode: BudgetMode) -> None:
+        self.ledger.set_mode(mode)
+
+    def set_policy(self, policy: SharingPolicy) -> None:
+        """Switch the sharing policy; it scopes every lookup from now on."""
+        self.policy = SharingPolicy(policy)
+
+    def add_public_prefix(self, name: str, tokens: list[int]) -> None:
+        """Register a public prefix; refused if its pages would break reservations."""
+        bound = self._public_bound(extra=len(tokens))
+        self.ledger.set_public_bound(bound)
+        try:
+            self.public.add(name, tokens)
+        except ValueError:
+            self.ledger.set_public_bound(self._public_bound())
+            raise
+
+    def remove_public_prefix(self, name: str) -> None:
+        self.public.remove(name)
+        self.ledger.set_public_bound(self._public_bound())
+
+    def _public_bound(self, extra: int = 0) -> int:
+        lengths = [len(tokens) for _, tokens in self.public.items()] + [extra]
+        return sum(length // self.block_size for length in lengths) * self.num_groups
+
+    def flush_cache(self) -> int:
+        """Forget all cached pages nobody uses; returns how many were freed."""
+        return self.pool.flush()
+
+    def pages_for_tokens(self, tokens: int) -> int:
+        return self.layout.pages_for_tokens(tokens)
+
+    # -- sequences -----------------------------------------------------------
+
+    def add_sequence(
+        self,
+        seq_id: int,
+        tenant: str,
+        tokens: Iterable[int],
+        *,
+        tier: int = 0,
+        cache_salt: str | None = None,
+    ) -> Sequence:
+        if seq_id in self.sequences:
+            raise KVError(f"sequence {seq_id} already exists")
+        self.ledger.tenant(tenant)  # raises BudgetError for an unknown tenant
+        token_list = list(tokens)
+        if not token_list:
+            raise KVError("a sequence needs at least one token")
+        self._arrivals += 1
+        seq = Sequence(
+            seq_id, tenant, token_list, tier, self._arrivals, cache_salt, self.num_groups
+        )
+        self.sequences[seq_id] = seq
+        return seq
+
+    def append_tokens(self, seq: Sequence, tokens: Iterable[int]) -> None:
+        seq.tokens.extend(tokens)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release every page and forget the sequence."""
+        if seq.state is KVState.SWAPPING_OUT:
+            raise KVError("finish a swap-out before removing the sequence")
+        self.release(seq)
+        seq.state = KVState.RELEASED
+        del self.sequences[seq.seq_id]
+
+    def release(self, seq: Sequence) -> None:
+        """Drop every page (preemption by recompute, or the end of a sequence).
+
+        The tokens are kept; the sequence waits to be prefilled again, and its
+        full blocks stay cached, tail first in the LRU, so a re-prefill finds
+        as much of itself as the pool could keep.
+        """
+        if seq.state is KVState.SWAPPING_OUT:
+            raise KVError("finish a swap-out before releasing the sequence")
+        self._drop_all(seq)
+        seq.num_blocks = 0
+        seq.num_computed = 0
+        seq.sliding_start = 0
+        seq.swapped_blocks = None
+        seq.state = KVState.WAITING
+
+    def _drop_all(self, seq: Sequence) -> None:
+        drop, tenant = self.pool.drop, seq.tenant
+        for block in range(seq.num_blocks - 1, -1, -1):
+            for table in seq.tables:
+                page = table[block]
+                if page:
+                    drop(page, tenant)
+        for table in seq.tables:
+            table.clear()
+
+    # -- prefix lookup ---------------------------------------------------------
+
+    def _ensure_scope(self, seq: Sequence) -> Scope:
+        scope = resolve_scope(
+            self.policy, seq.tenant, seq.cache_salt, seq.tokens, self.block_size, self.public
+        )
+        if scope != seq.scope:
+            seq.scope = scope
+            seq.hashes = []
+        return scope
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        hashes = seq.hashes
+        if len(hashes) < num_blocks:
+            assert seq.scope is not None
+            parent = hashes[-1] if hashes else None
+            hashes += chain_hashes(
+                seq.tokens, self.block_size, seq.scope, len(hashes), num_blocks, parent
+            )
+        return hashes
+
+    def first_needed_block(self, position: int) -> int:
+        """The first block a query at ``position`` sees in a sliding group."""
+        assert self.window is not None
+        return max(0, (position - self.window + 1) // self.block_size)
+
+    def lookup(self, seq: Sequence) -> PrefixHit:
+        """The longest prefix of a waiting sequence whose KV is resident.
+
+        Only full blocks count, and at least one token is left to compute (its
+        logits are needed). Global groups need every block of the hit; sliding
+        groups only the blocks the first uncomputed token can see. The hit is
+        the longest length that satisfies every group (as vLLM intersects
+        full-attention and sliding-window hits).
+        """
+        if seq.state is not KVState.WAITING:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not waiting")
+        scope = self._ensure_scope(seq)
+        max_blocks = (len(seq.tokens) - 1) // self.block_size
+        hashes = self._extend_hashes(seq, max_blocks)
+        index = self.pool.index
+        hit = 0
+        for block in range(max_blocks):
+            h = hashes[block]
+            if not all((g, h) in index for g in self.global_groups):
+                break
+            hit += 1
+        sliding_start = 0
+        if self.sliding_groups:
+            hit = self._sliding_hit(hashes, hit)
+            sliding_start = self.first_needed_block(hit * self.block_size)
+        pages = tuple(
+            tuple(
+                index[(g, hashes[b])] if (b >= sliding_start or g in self.global_groups) else 0
+                for b in range(hit)
+            )
+            for g in range(self.num_groups)
+        )
+        return PrefixHit(
+            hit, hit * self.block_size, sliding_start, pages, self.pool.evictions, scope
+        )
+
+    def _sliding_hit(self, hashes: list[bytes], limit: int) -> int:
+        """Longest hit <= limit whose in-window blocks are cached in every sliding group."""
+        index = self.pool.index
+        hit = limit
+        while hit > 0:
+            first = self.first_needed_block(hit * self.block_size)
+            missing = None
+            for block in range(hit - 1, first - 1, -1):
+                h = hashes[block]
+                if not all((g, h) in index for g in self.sliding_groups):
+                    missing = block
+                    break
+            if missing is None:
+                return hit
+            hit = missing  # any longer hit would need the missing block too
+        return 0
+
+    # -- allocation ------------------------------------------------------------
+
+    def demand(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> Demand:
+        """What ``allocate(seq, num_tokens, hit)`` would take; changes nothing."""
+        computed, blocks = self._start_point(seq, num_tokens, hit)
+        needed_blocks = -(-(computed + num_tokens) // self.block_size)
+        fresh = max(0, needed_blocks - blocks) * self.num_groups
+        reused = charged = 0
+        if hit is not None:
+            holders, public = self.pool.holders, self.pool.public
+            for table in hit.pages:
+                for page in table:
+                    if page and holders[page] is None:
+                        reused += 1
+                        charged += not public[page]
+        return Demand(fresh, reused, fresh + charged)
+
+    def _start_point(
+        self, seq: Sequence, num_tokens: int, hit: PrefixHit | None
+    ) -> tuple[int, int]:
+        if num_tokens < 1:
+            raise KVError("allocate at least one token")
+        if seq.state is KVState.WAITING:
+            computed = hit.num_tokens if hit is not None else 0
+            blocks = hit.num_blocks if hit is not None else 0
+        elif seq.state is KVState.RESIDENT:
+            if hit is not None:
+                raise KVError("a prefix hit applies only to a waiting sequence")
+            computed, blocks = seq.num_computed, seq.num_blocks
+        else:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}")
+        if computed + num_tokens > len(seq.tokens):
+            raise KVError(
+                f"sequence {seq.seq_id} has {len(seq.tokens)} tokens; cannot compute "
+                f"{num_tokens} more after {computed}"
+            )
+        return computed, blocks
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        demand = self.demand(seq, num_tokens, hit)
+        return self.fits(seq.tenant, demand)
+
+    def fits(self, tenant: str, demand: Demand) -> bool:
+        return (
+            demand.idle_pages <= self.pool.num_idle()
+            and demand.charges <= self.ledger.headroom(tenant)
+        )
+
+    def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:
+        """Reference pages for the next ``num_tokens`` tokens (after ``hit``, if any).
+
+        Raises KVError, changing nothing, if the pages or the budget are not there.
+        """
+        demand = self.demand(seq, num_tokens, hit)
+        if hit is not None and (hit.epoch != self.pool.evictions or hit.scope != seq.scope):
+            raise KVError("stale prefix hit: the cache changed since the lookup")
+        if not self.fits(seq.tenant, demand):
+            raise KVError(
+                f"cannot allocate {demand.idle_pages} pages for tenant {seq.tenant!r}: "
+                f"{self.pool.num_idle()} idle, headroom {self.ledger.headroom(seq.tenant)}"
+            )
+        if seq.state is KVState.WAITING:
+            self._start(seq, hit)
+        needed = -(-(seq.num_computed + num_tokens) // self.block_size) - seq.num_blocks
+        if needed > 0:
+            pages = self.pool.take(seq.tenant, needed * self.num_groups)
+            for g, table in enumerate(seq.tables):
+                table += pages[g * needed : (g + 1) * needed]
+            seq.num_blocks += needed
+
+    def _start(self, seq: Sequence, hit: PrefixHit | None) -> None:
+        if seq.scope is None:
+            self._ensure_scope(seq)
+        seq.state = KVState.RESIDENT
+        self.prefix_query_tokens += len(seq.tokens)
+        if hit is None or hit.num_blocks == 0:
+            seq.cached_tokens = 0
+            return
+        touch, tenant = self.pool.touch, seq.tenant
+        for table, pages in zip(seq.tables, hit.pages, strict=True):
+            for page in pages:
+                if page:
+                    touch(page, tenant)
+            table += pages
+        seq.num_blocks = hit.num_blocks
+        seq.num_computed = seq.cached_tokens = hit.num_tokens
+        seq.sliding_start = hit.sliding_start
+        self.prefix_hit_tokens += hit.num_tokens
+        scope = hit.scope
+        if scope.public_prefix is not None and hit.num_blocks:
+            served = min(hit.num_blocks, scope.public_blocks) * self.block_size
+            self.public.hits[scope.public_prefix] = (
+                self.public.hits.get(scope.public_prefix, 0) + served
+            )
+
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """The engine wrote K/V for the next ``num_tokens`` tokens.
+
+        Newly full blocks enter the prefix cache; sliding groups release the
+        blocks no future query can see.
+        """
+        if seq.state is not KVState.RESIDENT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
+        old = seq.num_computed
+        new = old + num_tokens
+        if num_tokens < 1 or new > seq.num_blocks * self.block_size or new > len(seq.tokens):
+            raise KVError(f"cannot commit {num_tokens} tokens to sequence {seq.seq_id}")
+        seq.num_computed = new
+        bs = self.block_size
+        if new // bs > old // bs:
+            self._register_blocks(seq, old // bs, new // bs)
+        if self.window is not None and new - self.window + 1 >= (seq.sliding_start + 1) * bs:
+            self._slide(seq, self.first_needed_block(new))
+
+    def _register_blocks(self, seq: Sequence, start: int, stop: int) -> None:
+        if seq.scope is None:
+            self._ensure_scope(seq)
+        assert seq.scope is not None
+        hashes = self._extend_hashes(seq, stop)
+        public_blocks, register = seq.scope.public_blocks, self.pool.register
+        for block in range(start, stop):
+            key_hash, public = hashes[block], block < public_blocks
+            for g, table in enumerate(seq.tables):
+                page = table[block]
+                if page:
+                    register(page, (g, key_hash), public)
+
+    def _slide(self, seq: Sequence, first_needed: int) -> None:
+        drop, tenant = self.pool.drop, seq.tenant
+        for block in range(first_needed - 1, seq.sliding_start - 1, -1):
+            for g in self.sliding_groups:
+                table = seq.tables[g]
+                page = table[block]
+                if page:
+                    drop(page, tenant)
+                    table[block] = NULL_PAGE
+        seq.sliding_start = first_needed
+
+    # -- swapping ----------------------------------------------------------------
+
+    def begin_swap_out(self, seq: Sequence) -> list[PageCopy]:
+        """The pages to copy to host; they stay held until ``finish_swap_out``."""
+        if seq.state is not KVState.RESIDENT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
+        seq.state = KVState.SWAPPING_OUT
+        return [
+            PageCopy(g, block, page)
+            for g, table in enumerate(seq.tables)
+            for block, page in enumerate(table)
+            if page
+        ]
+
+    def finish_swap_out(self, seq: Sequence) -> None:
+        """The copies are on the host: free the pages, remember which blocks they were."""
+        if seq.state is not KVState.SWAPPING_OUT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapping out")
+        swapped = [[b for b, page in enumerate(table) if page] for table in seq.tables]
+        self._drop_all(seq)
+        seq.swapped_blocks = swapped
+        seq.state = KVState.SWAPPED
+
+    def swap_in_demand(self, seq: Sequence) -> Demand:
+        if seq.state is not KVState.SWAPPED or seq.swapped_blocks is None:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapped")
+        pages = sum(len(blocks) for blocks in seq.swapped_blocks)
+        return Demand(pages, 0, pages)
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        return self.fits(seq.tenant, self.swap_in_demand(seq))
+
+    def swap_in(self, seq: Sequence) -> list[PageCopy]:
+        """New pages for a swapped sequence; the caller copies host data into them
+        before the next engine step. Full blocks re-enter the prefix cache."""
+        demand = self.swap_in_demand(seq)
+        if not self.fits(seq.tenant, demand):
+            raise KVError(f"cannot swap in sequence {seq.seq_id}: not enough pages or budget")
+        assert seq.swapped_blocks is not None
+        pages = iter(self.pool.take(seq.tenant, demand.fresh_pages))
+        copies: list[PageCopy] = []
+        for g, blocks in enumerate(seq.swapped_blocks):
+            table = [NULL_PAGE] * seq.num_blocks
+            for block in blocks:
+                table[block] = page = next(pages)
+                copies.append(PageCopy(g, block, page))
+            seq.tables[g] = table
+        seq.swapped_blocks = None
+        seq.state = KVState.RESIDENT
+        self._register_blocks(seq, 0, seq.num_computed // self.block_size)
+        return copies
+
+    # -- reporting ---------------------------------------------------------------
+
+    def stats(self) -> KVStats:
+        pool = self.pool
+        return KVStats(
+            capacity_pages=pool.capacity,
+            page_bytes=self.layout.page_bytes,
+            block_size=self.block_size,
+            free_pages=len(pool.free),
+            cached_pages=len(pool.lru),
+            referenced_pages=pool.num_referenced(),
+            sequences=len(self.sequences),
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            cache_evictions=pool.evictions,
+            policy=self.policy.value,
+            mode=self.ledger.mode.value,
+        )
+
+    def check_invariants(self) -> None:
+        """Refcounts equal block-table references; tables are consistent."""
+        self.pool.check_invariants()
+        refs: dict[int, dict[str, int]] = {}
+        for seq in self.sequences.values():
+            if seq.state in (KVState.RESIDENT, KVState.SWAPPING_OUT):
+                assert all(len(t) == seq.num_blocks for t in seq.tables), seq
+                assert seq.num_computed <= seq.num_blocks * self.block_size, seq
+                # No block beyond what the known tokens need: waste is at most
+                # one partly-filled block per group.
+                assert seq.num_blocks <= -(-len(seq.tokens) // self.block_size), seq
+            else:
+                assert not any(seq.tables), seq
+            for g in self.sliding_groups:
+                assert not any(seq.tables[g][: seq.sliding_start]), seq
+            for page in seq.held_pages():
+                per = refs.setdefault(page, {})
+                per[seq.tenant] = per.get(seq.tenant, 0) + 1
+        for page in range(1, self.pool.num_pages):
+            assert (self.pool.holders[page] or {}) == refs.get(page, {}), page

@@ -1,0 +1,180 @@
+"""Pages of the one KV pool: free, cached-and-idle, or referenced.
+
+Invariants (checked by ``check_invariants`` in tests):
+- every allocatable page is in exactly one state: *free* (in ``free``, no
+  cache key), *cached* (ref 0, a cache key, in ``lru``), or *referenced*
+  (ref > 0, in neither list, with or without a cache key);
+- ``ref[p]`` equals the sum of ``holders[p]``;
+- the charge of every referenced page sits on exactly one ledger account.
+
+Page 0 is the null page: never allocated, it fills block-table slots whose
+block was released (sliding windows) or does not exist (padding), so the
+device always gathers a valid page.
+
+Idle pages are handed out free ones first, then cached ones from the LRU
+head, which forgets their cache key: cached pages survive as long as possible.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvd.kv.ledger import SHARED_ACCOUNT, Ledger
+
+NULL_PAGE = 0
+
+CacheKey = tuple[int, bytes]  # (page group, block hash)
+
+
+class PoolExhausted(RuntimeError):
+    """More idle pages were taken than exist: the caller skipped its check."""
+
+
+class PagePool:
+    def __init__(self, num_pages: int, ledger: Ledger) -> None:
+        if num_pages < 2:
+            raise ValueError("a pool needs the null page and at least one more")
+        self.num_pages = num_pages
+        self.ledger = ledger
+        self.ref = [0] * num_pages
+        self.holders: list[dict[str, int] | None] = [None] * num_pages
+        self.key: list[CacheKey | None] = [None] * num_pages
+        self.public = [False] * num_pages
+        self.free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() yields low ids first
+        self.lru: OrderedDict[int, None] = OrderedDict()  # head = least recently used
+        self.index: dict[CacheKey, int] = {}
+        self.evictions = 0  # cached pages whose key was dropped; stales prefix hits
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def num_idle(self) -> int:
+        return len(self.free) + len(self.lru)
+
+    def num_referenced(self) -> int:
+        return self.capacity - self.num_idle()
+
+    def account_of(self, page: int) -> str:
+        holders = self.holders[page]
+        assert holders, f"page {page} is not referenced"
+        return SHARED_ACCOUNT if self.public[page] else next(iter(holders))
+
+    # -- taking and dropping references -------------------------------------
+
+    def take(self, account: str, count: int) -> list[int]:
+        """Reference ``count`` idle pages for ``account`` (free ones first)."""
+        if count > self.num_idle():
+            raise PoolExhausted(f"asked for {count} pages, {self.num_idle()} idle")
+        pages: list[int] = []
+        free, lru = self.free, self.lru
+        for _ in range(count):
+            if free:
+                page = free.pop()
+            else:
+                page, _ = lru.popitem(last=False)
+                self._forget(page)
+            self.ref[page] = 1
+            self.holders[page] = {account: 1}
+            pages.append(page)
+        self.ledger.accounts[account].used += count
+        return pages
+
+    def touch(self, page: int, account: str) -> None:
+        """Add a reference from ``account`` to a cached page (a prefix hit)."""
+        holders = self.holders[page]
+        if holders is None:
+            del self.lru[page]
+            self.holders[page] = {account: 1}
+            self.ledger.accounts[self.account_of(page)].used += 1
+        else:
+            holders[account] = holders.get(account, 0) + 1
+        self.ref[page] += 1
+
+    def drop(self, page: int, account: str) -> None:
+        """Remove one reference of ``account``; an unreferenced page becomes idle."""
+        holders = self.holders[page]
+        assert holders is not None and holders.get(account), (page, account)
+        payer = self.account_of(page)
+        left = holders[account] - 1
+        if left:
+            holders[account] = left
+        else:
+            del holders[account]
+        self.ref[page] -= 1
+        if not holders:
+            self.holders[page] = None
+            self.ledger.accounts[payer].used -= 1
+            if self.key[page] is None:
+                self.free.append(page)
+            else:
+                self.lru[page] = None
+            return
+        new_payer = self.account_of(page)
+        if new_payer != payer:
+            self.ledger.accounts[payer].used -= 1
+            self.ledger.accounts[new_payer].used += 1
+
+    # -- the prefix cache ----------------------------------------------------
+
+    def lookup(self, key: CacheKey) -> int | None:
+        return self.index.get(key)
+
+    def register(self, page: int, key: CacheKey, public: bool) -> bool:
+        """Make a full, referenced page findable by ``key``.
+
+        Returns False (and leaves the page private) when another page already
+        holds that content: the duplicate is freed with its sequence.
+        """
+        if key in self.index or self.key[page] is not None:
+            return False
+        self.index[key] = page
+        self.key[page] = key
+        if public:
+            payer = self.account_of(page)
+            self.public[page] = True
+            self.ledger.accounts[payer].used -= 1
+            self.ledger.accounts[SHARED_ACCOUNT].used += 1
+        return True
+
+    def _forget(self, page: int) -> None:
+        key = self.key[page]
+        if key is not None:
+            del self.index[key]
+            self.key[page] = None
+            self.public[page] = False
+            self.evictions += 1
+
+    def flush(self) -> int:
+        """Forget every cached page nobody references; returns how many."""
+        flushed = len(self.lru)
+        for page in self.lru:
+            self._forget(page)
+            self.free.append(page)
+        self.lru.clear()
+        return flushed
+
+    # -- checking ------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        free, lru = set(self.free), set(self.lru)
+        assert len(free) == len(self.free), "a page is twice in the free list"
+        assert not free & lru, "a page is both free and cached"
+        assert NULL_PAGE not in free | lru and self.ref[NULL_PAGE] == 0, "null page in use"
+        charges: dict[str, int] = {name: 0 for name in self.ledger.accounts}
+        for page in range(1, self.num_pages):
+            holders = self.holders[page]
+            ref = self.ref[page]
+            if page in free:
+                assert ref == 0 and holders is None and self.key[page] is None, page
+            elif page in lru:
+                assert ref == 0 and holders is None and self.key[page] is not None, page
+            else:
+                assert ref > 0 and holders and sum(holders.values()) == ref, page
+                charges[self.account_of(page)] += 1
+            if self.key[page] is not None:
+                assert self.index[self.key[page]] == page, page
+            assert not self.public[page] or self.key[page] is not None, page
+        assert len(self.index) == sum(1 for k in self.key if k is not None)
+        for name, account in self.ledger.accounts.items():
+            assert account.used == charges[name], (name, account.used, charges[name])

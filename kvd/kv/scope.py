@@ -1,0 +1,145 @@
+"""Who may hit whose cached blocks: sharing policies, scopes and the block hash.
+
+A full block is keyed by ``H(parent hash, scope, tokens)``. The scope enters
+*every* block of the chain, so a block that follows a public prefix is still
+scoped to its tenant. H is BLAKE2b keyed with a secret drawn at start-up: a
+tenant cannot precompute a collision with another tenant's block, and the key
+never leaves the process (hashes are not persisted, so no stable key is needed).
+
+Policies (switchable live; a switch changes the scope of future lookups, and
+blocks cached under the old scopes simply stop being reachable):
+
+- ``isolated``: every tenant (and every ``cache_salt`` within it) is its own
+  scope; registered public prefixes are scoped too. No cross-tenant hit.
+- ``public`` (default): operator-registered public prefixes are hashed in the
+  one ``public`` scope and shared by every tenant; everything after them is the
+  tenant's. The only cross-tenant hits are on text the operator declared public.
+- ``shared``: one scope for all tenants (``cache_salt`` still splits it). For
+  mutually trusting tenants only: it reopens the timing side channel.
+
+A ``cache_salt`` scopes a request's tenant-supplied blocks further; it does
+not apply to public-prefix blocks, whose content is public by declaration.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+from array import array
+from collections.abc import Sequence
+
+import msgspec
+
+
+class SharingPolicy(enum.StrEnum):
+    ISOLATED = "isolated"
+    PUBLIC = "public"
+    SHARED = "shared"
+
+
+_HASH_KEY = os.urandom(32)
+_ROOT = b"\x00" * 32
+PUBLIC_SCOPE = msgspec.msgpack.encode(("public",))
+
+
+class Scope(msgspec.Struct, frozen=True):
+    """The scope of each full block of one request's token chain.
+
+    Blocks ``[0, public_blocks)`` are hashed in the public scope; the rest in
+    ``private``. ``public_prefix`` names the registered prefix that matched.
+    """
+
+    private: bytes
+    public_blocks: int = 0
+    public_prefix: str | None = None
+
+    def of_block(self, index: int) -> bytes:
+        return PUBLIC_SCOPE if index < self.public_blocks else self.private
+
+
+def tenant_scope(policy: SharingPolicy, tenant: str, cache_salt: str | None) -> bytes:
+    """The scope bytes of a tenant's own (non-public) blocks under a policy."""
+    if policy is SharingPolicy.SHARED:
+        return msgspec.msgpack.encode(("shared", cache_salt))
+    return msgspec.msgpack.encode(("tenant", tenant, cache_salt))
+
+
+def block_hash(parent: bytes | None, scope: bytes, tokens: Sequence[int]) -> bytes:
+    """The 32-byte keyed hash of one full block, chained on its parent's hash."""
+    digest = hashlib.blake2b(key=_HASH_KEY, digest_size=32)
+    digest.update(parent or _ROOT)
+    digest.update(len(scope).to_bytes(4, "little"))
+    digest.update(scope)
+    digest.update(array("I", tokens).tobytes())
+    return digest.digest()
+
+
+def chain_hashes(
+    tokens: Sequence[int], block_size: int, scope: Scope, start: int, stop: int, parent: bytes | None
+) -> list[bytes]:
+    """Hashes of full blocks ``[start, stop)``, continuing from ``parent``."""
+    hashes: list[bytes] = []
+    for index in range(start, stop):
+        parent = block_hash(
+            parent, scope.of_block(index), tokens[index * block_size : (index + 1) * block_size]
+        )
+        hashes.append(parent)
+    return hashes
+
+
+class PublicPrefixes:
+    """Operator-registered public prefixes (token sequences), by name."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, tuple[int, ...]] = {}
+        self.hits: dict[str, int] = {}  # prefix name -> tokens served from cache
+
+    def add(self, name: str, tokens: Sequence[int]) -> None:
+        if not tokens:
+            raise ValueError("a public prefix needs at least one token")
+        if name in self._by_name:
+            raise ValueError(f"a public prefix named {name!r} already exists")
+        self._by_name[name] = tuple(tokens)
+        self.hits.setdefault(name, 0)
+
+    def remove(self, name: str) -> None:
+        if name not in self._by_name:
+            raise KeyError(f"no public prefix named {name!r}")
+        del self._by_name[name]
+        self.hits.pop(name, None)
+
+    def items(self) -> list[tuple[str, tuple[int, ...]]]:
+        return list(self._by_name.items())
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def longest_match(self, tokens: Sequence[int]) -> tuple[str, int] | None:
+        """The longest registered prefix that ``tokens`` start with: (name, length)."""
+        best: tuple[str, int] | None = None
+        for name, prefix in self._by_name.items():
+            length = len(prefix)
+            if length <= len(tokens) and (best is None or length > best[1]):
+                if tuple(tokens[:length]) == prefix:
+                    best = (name, length)
+        return best
+
+
+def resolve_scope(
+    policy: SharingPolicy,
+    tenant: str,
+    cache_salt: str | None,
+    tokens: Sequence[int],
+    block_size: int,
+    public: PublicPrefixes,
+) -> Scope:
+    """The scope of each block of a request arriving now."""
+    private = tenant_scope(policy, tenant, cache_salt)
+    if policy is SharingPolicy.ISOLATED:
+        return Scope(private)
+    match = public.longest_match(tokens)
+    if match is None:
+        return Scope(private)
+    name, length = match
+    return Scope(private, length // block_size, name)
