@@ -136,16 +136,18 @@ class KVManager:
 
     def add_public_prefix(self, name: str, tokens: list[int]) -> None:
         """Register a public prefix; refused if its pages would break reservations."""
-        bound = self._public_bound(extra=len(tokens))
-        self.ledger.set_public_bound(bound)
-        try:
-            self.public.add(name, tokens)
-        except ValueError:
-            self.ledger.set_public_bound(self._public_bound())
-            raise
+        if name in self.public:
+            raise ValueError(f"a public prefix named {name!r} already exists")
+        if not tokens:
+            raise ValueError("a public prefix needs at least one token")
+        self.ledger.set_public_bound(self._public_bound(extra=len(tokens)))
+        self.public.add(name, tokens)
 
     def remove_public_prefix(self, name: str) -> None:
+        """Unregister a public prefix; its pages that no other prefix covers
+        leave the cache (idle ones are freed, held ones become private)."""
         self.public.remove(name)
+        self.pool.unpublish(name)
         self.ledger.set_public_bound(self._public_bound())
 
     def _public_bound(self, extra: int = 0) -> int:
@@ -205,7 +207,7 @@ class KVManager:
             raise KVError("finish a swap-out before releasing the sequence")
         self._drop_all(seq)
         seq.num_blocks = 0
-        seq.num_computed = 0
+        seq.num_computed = seq.num_allocated = 0
         seq.sliding_start = 0
         seq.swapped_blocks = None
         seq.state = KVState.WAITING
@@ -368,6 +370,7 @@ class KVManager:
             for g, table in enumerate(seq.tables):
                 table += pages[g * needed : (g + 1) * needed]
             seq.num_blocks += needed
+        seq.num_allocated = seq.num_computed + num_tokens
 
     def _start(self, seq: Sequence, hit: PrefixHit | None) -> None:
         if seq.scope is None:
@@ -384,15 +387,13 @@ class KVManager:
                     touch(page, tenant)
             table += pages
         seq.num_blocks = hit.num_blocks
-        seq.num_computed = seq.cached_tokens = hit.num_tokens
+        seq.num_computed = seq.num_allocated = seq.cached_tokens = hit.num_tokens
         seq.sliding_start = hit.sliding_start
         self.prefix_hit_tokens += hit.num_tokens
-        scope = hit.scope
-        if scope.public_prefix is not None and hit.num_blocks:
-            served = min(hit.num_blocks, scope.public_blocks) * self.block_size
-            self.public.hits[scope.public_prefix] = (
-                self.public.hits.get(scope.public_prefix, 0) + served
-            )
+        name = hit.scope.public_prefix
+        if name is not None and name in self.public:
+            served = min(hit.num_blocks, hit.scope.public_blocks) * self.block_size
+            self.public.hits[name] += served
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """The engine wrote K/V for the next ``num_tokens`` tokens.
@@ -404,7 +405,7 @@ class KVManager:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
         old = seq.num_computed
         new = old + num_tokens
-        if num_tokens < 1 or new > seq.num_blocks * self.block_size or new > len(seq.tokens):
+        if num_tokens < 1 or new > seq.num_allocated:
             raise KVError(f"cannot commit {num_tokens} tokens to sequence {seq.seq_id}")
         seq.num_computed = new
         bs = self.block_size
@@ -414,13 +415,18 @@ class KVManager:
             self._slide(seq, self.first_needed_block(new))
 
     def _register_blocks(self, seq: Sequence, start: int, stop: int) -> None:
-        if seq.scope is None:
-            self._ensure_scope(seq)
-        assert seq.scope is not None
+        scope = seq.scope if seq.scope is not None else self._ensure_scope(seq)
         hashes = self._extend_hashes(seq, stop)
-        public_blocks, register = seq.scope.public_blocks, self.pool.register
+        register = self.pool.register
         for block in range(start, stop):
-            key_hash, public = hashes[block], block < public_blocks
+            public = None
+            if block < scope.public_blocks:
+                # Only prefixes still registered may make a page public; a block
+                # of a prefix removed since the lookup stays private, uncached.
+                public = frozenset(n for n in scope.prefixes_covering(block) if n in self.public)
+                if not public:
+                    continue
+            key_hash = hashes[block]
             for g, table in enumerate(seq.tables):
                 page = table[block]
                 if page:
@@ -486,6 +492,7 @@ class KVManager:
             seq.tables[g] = table
         seq.swapped_blocks = None
         seq.state = KVState.RESIDENT
+        seq.num_allocated = seq.num_computed
         self._register_blocks(seq, 0, seq.num_computed // self.block_size)
         return copies
 

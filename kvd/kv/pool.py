@@ -39,7 +39,8 @@ class PagePool:
         self.ref = [0] * num_pages
         self.holders: list[dict[str, int] | None] = [None] * num_pages
         self.key: list[CacheKey | None] = [None] * num_pages
-        self.public = [False] * num_pages
+        # Registered public prefixes each public page belongs to; None: not public.
+        self.public: list[frozenset[str] | None] = [None] * num_pages
         self.free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() yields low ids first
         self.lru: OrderedDict[int, None] = OrderedDict()  # head = least recently used
         self.index: dict[CacheKey, int] = {}
@@ -58,7 +59,7 @@ class PagePool:
     def account_of(self, page: int) -> str:
         holders = self.holders[page]
         assert holders, f"page {page} is not referenced"
-        return SHARED_ACCOUNT if self.public[page] else next(iter(holders))
+        return SHARED_ACCOUNT if self.public[page] is not None else next(iter(holders))
 
     # -- taking and dropping references -------------------------------------
 
@@ -120,11 +121,13 @@ class PagePool:
     def lookup(self, key: CacheKey) -> int | None:
         return self.index.get(key)
 
-    def register(self, page: int, key: CacheKey, public: bool) -> bool:
+    def register(self, page: int, key: CacheKey, public: frozenset[str] | None) -> bool:
         """Make a full, referenced page findable by ``key``.
 
-        Returns False (and leaves the page private) when another page already
-        holds that content: the duplicate is freed with its sequence.
+        ``public`` names the registered public prefixes the block lies in; such
+        a page is charged to the shared account. Returns False (and leaves the
+        page private) when another page already holds that content: the
+        duplicate is freed with its sequence.
         """
         if key in self.index or self.key[page] is not None:
             return False
@@ -132,17 +135,45 @@ class PagePool:
         self.key[page] = key
         if public:
             payer = self.account_of(page)
-            self.public[page] = True
+            self.public[page] = public
             self.ledger.accounts[payer].used -= 1
             self.ledger.accounts[SHARED_ACCOUNT].used += 1
         return True
+
+    def unpublish(self, name: str) -> int:
+        """A public prefix was removed: its pages stop being public.
+
+        A page no remaining prefix covers is taken out of the cache (so the
+        shared account never holds more than the registered prefixes can
+        pin): idle, it becomes free; referenced, it stays with its holders as
+        a private page charged to the first of them. Returns pages affected.
+        """
+        affected = 0
+        for page, names in enumerate(self.public):
+            if names is None or name not in names:
+                continue
+            affected += 1
+            remaining = names - {name}
+            if remaining:
+                self.public[page] = remaining
+                continue
+            if self.holders[page] is None:
+                del self.lru[page]
+                self._forget(page)
+                self.free.append(page)
+                continue
+            self.public[page] = None
+            self.ledger.accounts[SHARED_ACCOUNT].used -= 1
+            self.ledger.accounts[self.account_of(page)].used += 1
+            self._forget(page)
+        return affected
 
     def _forget(self, page: int) -> None:
         key = self.key[page]
         if key is not None:
             del self.index[key]
             self.key[page] = None
-            self.public[page] = False
+            self.public[page] = None
             self.evictions += 1
 
     def flush(self) -> int:
@@ -174,7 +205,7 @@ class PagePool:
                 charges[self.account_of(page)] += 1
             if self.key[page] is not None:
                 assert self.index[self.key[page]] == page, page
-            assert not self.public[page] or self.key[page] is not None, page
+            assert self.public[page] is None or self.key[page] is not None, page
         assert len(self.index) == sum(1 for k in self.key if k is not None)
         for name, account in self.ledger.accounts.items():
             assert account.used == charges[name], (name, account.used, charges[name])

@@ -47,15 +47,26 @@ class Scope(msgspec.Struct, frozen=True):
     """The scope of each full block of one request's token chain.
 
     Blocks ``[0, public_blocks)`` are hashed in the public scope; the rest in
-    ``private``. ``public_prefix`` names the registered prefix that matched.
+    ``private``. ``public_matches`` lists every registered public prefix the
+    request starts with, as (name, full blocks), longest first.
     """
 
     private: bytes
-    public_blocks: int = 0
-    public_prefix: str | None = None
+    public_matches: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def public_blocks(self) -> int:
+        return self.public_matches[0][1] if self.public_matches else 0
+
+    @property
+    def public_prefix(self) -> str | None:
+        return self.public_matches[0][0] if self.public_matches else None
 
     def of_block(self, index: int) -> bytes:
         return PUBLIC_SCOPE if index < self.public_blocks else self.private
+
+    def prefixes_covering(self, index: int) -> frozenset[str]:
+        return frozenset(name for name, blocks in self.public_matches if index < blocks)
 
 
 def tenant_scope(policy: SharingPolicy, tenant: str, cache_salt: str | None) -> bytes:
@@ -115,15 +126,18 @@ class PublicPrefixes:
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def longest_match(self, tokens: Sequence[int]) -> tuple[str, int] | None:
-        """The longest registered prefix that ``tokens`` start with: (name, length)."""
-        best: tuple[str, int] | None = None
-        for name, prefix in self._by_name.items():
-            length = len(prefix)
-            if length <= len(tokens) and (best is None or length > best[1]):
-                if tuple(tokens[:length]) == prefix:
-                    best = (name, length)
-        return best
+    def matches(self, tokens: Sequence[int]) -> list[tuple[str, int]]:
+        """Registered prefixes that ``tokens`` start with, as (name, length), longest first."""
+        found = [
+            (name, len(prefix))
+            for name, prefix in self._by_name.items()
+            if len(prefix) <= len(tokens) and tuple(tokens[: len(prefix)]) == prefix
+        ]
+        found.sort(key=lambda match: (-match[1], match[0]))
+        return found
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
 
 
 def resolve_scope(
@@ -138,8 +152,9 @@ def resolve_scope(
     private = tenant_scope(policy, tenant, cache_salt)
     if policy is SharingPolicy.ISOLATED:
         return Scope(private)
-    match = public.longest_match(tokens)
-    if match is None:
-        return Scope(private)
-    name, length = match
-    return Scope(private, length // block_size, name)
+    matches = tuple(
+        (name, length // block_size)
+        for name, length in public.matches(tokens)
+        if length >= block_size
+    )
+    return Scope(private, matches)

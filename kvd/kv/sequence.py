@@ -32,6 +32,7 @@ class Sequence:
         "cache_salt",
         "tokens",
         "num_computed",
+        "num_allocated",
         "tables",
         "num_blocks",
         "sliding_start",
@@ -58,7 +59,8 @@ class Sequence:
         self.arrival = arrival  # admission order; larger is newer, evicted first
         self.cache_salt = cache_salt
         self.tokens = tokens
-        self.num_computed = 0
+        self.num_computed = 0  # tokens whose K/V are written
+        self.num_allocated = 0  # tokens with a slot: computed + allocated for the next step
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.num_blocks = 0
         self.sliding_start = 0  # sliding groups hold no page below this block
