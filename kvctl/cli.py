@@ -26,15 +26,23 @@ _POSITIVE = click.IntRange(min=1)
 
 
 @cli.command()
-@click.option("--model", help="A model preset, e.g. gemma4-12b (or describe one with the flags below).")
+@click.option(
+    "--model", help="A model preset, e.g. gemma4-12b (or describe one with the flags below)."
+)
 @click.option("--pool", type=SizeType(), help="KV pool size, e.g. 3.8GiB or 4GB.")
 @click.option("--context", type=_POSITIVE, help="Tokens per sequence to price.")
-@click.option("--dtype", default=None, help="KV element type: bfloat16 (default), float32, int8, fp8.")
-@click.option("--block-size", type=_POSITIVE, default=16, show_default=True, help="Tokens per block.")
+@click.option(
+    "--dtype", default=None, help="KV element type: bfloat16 (default), float32, int8, fp8."
+)
+@click.option(
+    "--block-size", type=_POSITIVE, default=16, show_default=True, help="Tokens per block."
+)
 @click.option("--layers", type=_POSITIVE, help="Number of layers (all kinds).")
 @click.option("--kv-heads", type=_POSITIVE, help="KV heads per layer.")
 @click.option("--head-dim", type=_POSITIVE, help="Head dimension.")
-@click.option("--sliding-layers", type=click.IntRange(min=0), default=0, help="How many layers slide.")
+@click.option(
+    "--sliding-layers", type=click.IntRange(min=0), default=0, help="How many layers slide."
+)
 @click.option("--sliding-window", type=_POSITIVE, help="Sliding window in tokens.")
 @click.option("--sliding-kv-heads", type=_POSITIVE, help="KV heads of sliding layers.")
 @click.option("--sliding-head-dim", type=_POSITIVE, help="Head dimension of sliding layers.")
@@ -57,8 +65,14 @@ def capacity(
     """What a KV pool holds for a model (offline; no daemon needed)."""
     try:
         geometry = _geometry(
-            model, layers, kv_heads, head_dim, sliding_layers, sliding_window,
-            sliding_kv_heads, sliding_head_dim,
+            model,
+            layers,
+            kv_heads,
+            head_dim,
+            sliding_layers,
+            sliding_window,
+            sliding_kv_heads,
+            sliding_head_dim,
         )
         if dtype is not None:
             geometry = geometry.with_dtype(dtype)
@@ -154,7 +168,9 @@ def render_capacity(r: CapacityReport) -> str:
         ("concurrent 512-token sequences", f"{k.max_sequences_512:,}"),
     ]
     if k.max_sequences_at_context is not None:
-        rows.append((f"concurrent {r.context:,}-token sequences", f"{k.max_sequences_at_context:,}"))
+        rows.append(
+            (f"concurrent {r.context:,}-token sequences", f"{k.max_sequences_at_context:,}")
+        )
     rows += [
         ("longest single sequence", f"{_n(k.longest_sequence_tokens)} tokens"),
         (

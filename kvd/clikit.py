@@ -33,7 +33,9 @@ class SizeType(click.ParamType):
 
     name = "size"
 
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int:
         if isinstance(value, int):
             return value
         try:

@@ -24,7 +24,23 @@ def test_parses_iec_and_si(text: str | int, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "abc", "-1GiB", "0", "0GiB", "3.8Gb", "512mib", "3.8G", "1.5", "GiB", "1e9", "1,000", "4 GiBs", -5]
+    "text",
+    [
+        "",
+        "abc",
+        "-1GiB",
+        "0",
+        "0GiB",
+        "3.8Gb",
+        "512mib",
+        "3.8G",
+        "1.5",
+        "GiB",
+        "1e9",
+        "1,000",
+        "4 GiBs",
+        -5,
+    ],
 )
 def test_rejects_garbage(text: str | int) -> None:
     with pytest.raises(SizeError):

@@ -21,7 +21,7 @@ from kvd.kv.geometry import preset
 from kvd.kv.layout import build_layout
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
-from kvd.kv.scope import PUBLIC_SCOPE, block_hash, chain_hashes, Scope
+from kvd.kv.scope import PUBLIC_SCOPE, Scope, block_hash, chain_hashes
 from kvd.kv.sequence import Sequence
 
 
@@ -180,5 +180,8 @@ def render(report: KVBenchReport) -> str:
             f"{f.running:>8} {f.steps:>6} {f.mean_ms:>9.3f} {f.p50_ms:>8.3f} {f.p99_ms:>8.3f} "
             f"{f.per_sequence_us:>7.2f} {f.arrivals_per_step:>14.2f} {f.prefix_hit_rate:>10.1%}"
         )
-    lines += ["", f"prefix hashing: {report.hash_tokens_per_s / 1e6:,.2f} M tokens/s (keyed BLAKE2b chain)"]
+    lines += [
+        "",
+        f"prefix hashing: {report.hash_tokens_per_s / 1e6:,.2f} M tokens/s (keyed BLAKE2b chain)",
+    ]
     return "\n".join(lines)

@@ -16,7 +16,6 @@ from kvd.kv.layout import build_layout
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
 
-
 MAX_SIMULATED_PAGES = 4_000_000
 
 
@@ -59,7 +58,9 @@ class CapacityReport(msgspec.Struct, frozen=True):
     bytes_per_token: BytesPerToken
     pool_bytes: int | None = None
     context: int | None = None
-    sequence_bytes_at_context: int | None = None  # global x context + sliding x min(context, window)
+    sequence_bytes_at_context: int | None = (
+        None  # global x context + sliding x min(context, window)
+    )
     eager_sequence_bytes_at_context: int | None = None  # the window reserved in full
     eager: EagerCapacity | None = None
     kvd: KvdCapacity | None = None
@@ -69,7 +70,9 @@ def bytes_per_token(geometry: KVGeometry) -> BytesPerToken:
     kinds = geometry.kinds()
     per = {k: geometry.bytes_per_token(k) if k in kinds else 0 for k in AttentionKind}
     return BytesPerToken(
-        total=sum(per.values()), global_=per[AttentionKind.GLOBAL], sliding=per[AttentionKind.SLIDING]
+        total=sum(per.values()),
+        global_=per[AttentionKind.GLOBAL],
+        sliding=per[AttentionKind.SLIDING],
     )
 
 
@@ -126,7 +129,9 @@ def kvd_capacity(
 
 
 def _fresh(geometry: KVGeometry, pool_bytes: int, block_size: int) -> KVManager:
-    kv = KVManager.for_pool_bytes(build_layout(geometry, block_size), pool_bytes, mode=BudgetMode.FREE)
+    kv = KVManager.for_pool_bytes(
+        build_layout(geometry, block_size), pool_bytes, mode=BudgetMode.FREE
+    )
     kv.set_tenant("probe", TenantBudget())
     return kv
 
@@ -195,8 +200,6 @@ def capacity_report(
         eager_sequence_bytes_at_context=eager_seq_bytes,
         eager=None if pool_bytes is None else eager_capacity(geometry, pool_bytes),
         kvd=(
-            None
-            if pool_bytes is None
-            else kvd_capacity(geometry, pool_bytes, block_size, context)
+            None if pool_bytes is None else kvd_capacity(geometry, pool_bytes, block_size, context)
         ),
     )

@@ -63,7 +63,7 @@ def plan_eviction(kv: KVManager, requester: Sequence, demand: Demand) -> Evictio
     """
     ledger = kv.ledger
     tenant = requester.tenant
-    over_budget = demand.charges - ledger.headroom(tenant)
+    over_budget = demand.charges - ledger.headroom(tenant) if demand.charges else 0
     short = demand.idle_pages - kv.pool.num_idle()
     if over_budget <= 0 and short <= 0:
         return EvictionPlan((), "none-needed")

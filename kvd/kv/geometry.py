@@ -10,6 +10,7 @@ applied once per layer type and never to the model as a whole.
 from __future__ import annotations
 
 import enum
+
 import msgspec
 
 ELEMENT_SIZES: dict[str, int] = {
@@ -226,4 +227,3 @@ def preset(name: str) -> KVGeometry:
     except KeyError:
         known = ", ".join(sorted(PRESETS))
         raise GeometryError(f"unknown model preset {name!r} (known: {known})") from None
-

@@ -214,7 +214,8 @@ class KVManager:
 
     def _drop_all(self, seq: Sequence) -> None:
         drop, tenant = self.pool.drop, seq.tenant
-        for block in range(seq.num_blocks - 1, -1, -1):
+        held_blocks = len(seq.tables[0])  # 0 once swapped out, num_blocks otherwise
+        for block in range(held_blocks - 1, -1, -1):
             for table in seq.tables:
                 page = table[block]
                 if page:
@@ -344,9 +345,13 @@ class KVManager:
         return self.fits(seq.tenant, demand)
 
     def fits(self, tenant: str, demand: Demand) -> bool:
-        return (
-            demand.idle_pages <= self.pool.num_idle()
-            and demand.charges <= self.ledger.headroom(tenant)
+        """Idle pages suffice, and new charges (if any) stay within the budget.
+
+        A tenant over its budget (after a live cut) may still fill the blocks
+        it holds: only new charges are refused.
+        """
+        return demand.idle_pages <= self.pool.num_idle() and (
+            demand.charges == 0 or demand.charges <= self.ledger.headroom(tenant)
         )
 
     def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:

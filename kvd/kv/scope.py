@@ -87,7 +87,12 @@ def block_hash(parent: bytes | None, scope: bytes, tokens: Sequence[int]) -> byt
 
 
 def chain_hashes(
-    tokens: Sequence[int], block_size: int, scope: Scope, start: int, stop: int, parent: bytes | None
+    tokens: Sequence[int],
+    block_size: int,
+    scope: Scope,
+    start: int,
+    stop: int,
+    parent: bytes | None,
 ) -> list[bytes]:
     """Hashes of full blocks ``[start, stop)``, continuing from ``parent``."""
     hashes: list[bytes] = []

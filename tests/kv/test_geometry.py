@@ -70,7 +70,9 @@ def test_layout_prefers_exact_fit() -> None:
     layout = build_layout(preset("gemma4-12b"), 16)
     assert layout.page_bytes == MIB
     assert [(grp.kind.value, len(grp.layers)) for grp in layout.groups] == [
-        ("global", 4), ("global", 4)] + [("sliding", 8)] * 5
+        ("global", 4),
+        ("global", 4),
+    ] + [("sliding", 8)] * 5
     assert layout.padded_layer_slots() == 0
     assert layout.group_of_layer(5) == (0, 0)
 

@@ -166,7 +166,9 @@ def test_cache_salt_splits_a_tenant(layout: PageLayout) -> None:
     kv = make_kv(layout)
     prefill(kv, kv.add_sequence(1, "a", list(range(13)), cache_salt="x"))
     assert kv.lookup(kv.add_sequence(2, "a", list(range(13)) + [1])).num_tokens == 0
-    assert kv.lookup(kv.add_sequence(3, "a", list(range(13)) + [1], cache_salt="x")).num_tokens == 12
+    assert (
+        kv.lookup(kv.add_sequence(3, "a", list(range(13)) + [1], cache_salt="x")).num_tokens == 12
+    )
 
 
 def test_public_prefix_is_the_only_cross_tenant_hit(layout: PageLayout) -> None:
@@ -242,7 +244,9 @@ def test_release_keeps_tokens_and_a_re_prefill_hits_itself(layout: PageLayout) -
     kv.append_tokens(seq, [42])
     compute(kv, seq, 1)
     kv.release(seq)
-    assert seq.state is KVState.WAITING and seq.num_computed == 0 and kv.ledger.accounts["a"].used == 0
+    assert (
+        seq.state is KVState.WAITING and seq.num_computed == 0 and kv.ledger.accounts["a"].used == 0
+    )
     assert prefill(kv, seq) == 8
     kv.check_invariants()
 

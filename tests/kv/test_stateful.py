@@ -1,0 +1,292 @@
+"""Random operation sequences against the KV core, with every invariant checked
+after every step.
+
+Checked throughout:
+- each page is free, cached-idle or referenced, never two at once; refcounts
+  equal the block-table references; per-account charges sum to used pages
+  (``KVManager.check_invariants``);
+- every prefix hit returns pages produced under the requester's own scope for
+  the same tokens, and a scope names another tenant only for registered public
+  prefixes or under the ``shared`` policy;
+- a demand within a tenant's reservation always has an eviction plan, and the
+  plan, carried out, frees what it promised (reservations are honoured).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvd.kv import (
+    BudgetError,
+    BudgetMode,
+    KVManager,
+    KVState,
+    PrefixHit,
+    SharingPolicy,
+    TenantBudget,
+    build_layout,
+    plan_eviction,
+)
+from kvd.kv.scope import PUBLIC_SCOPE
+from kvd.kv.sequence import Sequence
+from tests.kv.conftest import BLOCK, tiny_geometry
+
+TENANTS = ("a", "b", "c")
+SALTS = (None, "s1")
+# Candidate public prefixes: one block, two blocks, and a non-aligned one.
+PREFIXES = {"p1": [1, 2, 3, 0], "p2": [1, 2, 3, 0, 3, 3, 2, 1], "p3": [2, 2, 2, 2, 2, 1]}
+POOL_PAGES = 28
+
+tokens_st = st.lists(st.integers(0, 3), min_size=1, max_size=22)
+
+
+class KVMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVManager(build_layout(tiny_geometry(), BLOCK), POOL_PAGES)
+        self.kv.set_tenant("a", TenantBudget(reservation=9))
+        self.kv.set_tenant("b", TenantBudget(reservation=6, cap=20))
+        self.kv.set_tenant("c", TenantBudget())
+        self.next_id = 0
+        # (group, hash) -> (scope bytes, tokens up to the block's end) of its producer
+        self.produced: dict[tuple[int, bytes], tuple[bytes, tuple[int, ...]]] = {}
+        original = self.kv._register_blocks
+
+        def recording(seq: Sequence, start: int, stop: int) -> None:
+            original(seq, start, stop)
+            self._record(seq, start, stop)
+
+        self.kv._register_blocks = recording  # type: ignore[method-assign]
+
+    # -- bookkeeping of who produced each cached block -------------------------
+
+    def _record(self, seq: Sequence, start: int, stop: int) -> None:
+        assert seq.scope is not None
+        pool = self.kv.pool
+        for block in range(start, stop):
+            key_hash = seq.hashes[block]
+            produced = (seq.scope.of_block(block), tuple(seq.tokens[: (block + 1) * BLOCK]))
+            for g, table in enumerate(seq.tables):
+                page = table[block]
+                if page and pool.key[page] == (g, key_hash):
+                    earlier = self.produced.setdefault((g, key_hash), produced)
+                    assert earlier == produced, "two contents share one cache key"
+
+    def _check_hit(self, seq: Sequence, hit: PrefixHit) -> None:
+        assert seq.scope is not None
+        assert hit.num_tokens == hit.num_blocks * BLOCK < len(seq.tokens)
+        for g, pages in enumerate(hit.pages):
+            sliding = g in self.kv.sliding_groups
+            for block, page in enumerate(pages):
+                if sliding and block < hit.sliding_start:
+                    assert page == 0
+                    continue
+                assert page, "a hit must only claim resident KV"
+                key = (g, seq.hashes[block])
+                assert self.kv.pool.key[page] == key
+                scope, tokens = self.produced[key]
+                assert scope == seq.scope.of_block(block), "cross-scope hit"
+                assert tokens == tuple(seq.tokens[: (block + 1) * BLOCK])
+                self._check_scope_is_allowed(seq, scope)
+
+    def _check_scope_is_allowed(self, seq: Sequence, scope: bytes) -> None:
+        policy = self.kv.policy
+        if scope == PUBLIC_SCOPE:
+            assert policy is not SharingPolicy.ISOLATED
+            return
+        decoded = msgspec.msgpack.decode(scope)
+        if decoded[0] == "shared":
+            assert policy is SharingPolicy.SHARED and decoded[1] == seq.cache_salt
+        else:
+            assert decoded == ["tenant", seq.tenant, seq.cache_salt]
+
+    # -- picking sequences ---------------------------------------------------
+
+    def _pick(self, data: st.DataObject, state: KVState) -> Sequence:
+        ids = sorted(i for i, s in self.kv.sequences.items() if s.state is state)
+        return self.kv.sequences[data.draw(st.sampled_from(ids))]
+
+    def _no_cross_tenant_holders(self) -> bool:
+        return all(h is None or len(h) <= 1 for h in self.kv.pool.holders)
+
+    def _grow(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None) -> None:
+        kv = self.kv
+        demand = kv.demand(seq, num_tokens, hit)
+        if not kv.can_allocate(seq, num_tokens, hit):
+            plan = plan_eviction(kv, seq, demand)
+            guaranteed = demand.charges <= kv.ledger.shortfall(seq.tenant)
+            if (
+                kv.ledger.mode is not BudgetMode.FREE
+                and guaranteed
+                and self._no_cross_tenant_holders()
+            ):
+                assert plan is not None, "a demand within the reservation was refused"
+            if plan is None:
+                return
+            for victim in plan.victims:
+                assert victim.seq_id != seq.seq_id
+                kv.release(kv.sequences[victim.seq_id])
+            kv.check_invariants()
+            assert kv.pool.num_idle() >= demand.idle_pages
+            assert kv.ledger.headroom(seq.tenant) >= demand.charges
+            if hit is not None and hit.epoch != kv.pool.evictions:
+                return
+            if not kv.can_allocate(seq, num_tokens, hit):
+                return  # a victim's release changed what the hit revives
+        kv.allocate(seq, num_tokens, hit)
+        kv.commit(seq, num_tokens)
+
+    # -- rules ---------------------------------------------------------------
+
+    def add(self, data: st.DataObject) -> None:
+        prefix = data.draw(st.sampled_from([None, *PREFIXES]), "prefix")
+        tokens = (PREFIXES[prefix] if prefix else []) + data.draw(tokens_st, "tail")
+        self.kv.add_sequence(
+            self.next_id,
+            data.draw(st.sampled_from(TENANTS), "tenant"),
+            tokens,
+            tier=data.draw(st.integers(0, 1), "tier"),
+            cache_salt=data.draw(st.sampled_from(SALTS), "salt"),
+        )
+        self.next_id += 1
+
+    def start(self, data: st.DataObject) -> None:
+        seq = self._pick(data, KVState.WAITING)
+        chunk = data.draw(st.integers(1, 12), "chunk")
+        hit = self.kv.lookup(seq)
+        self._check_hit(seq, hit)
+        self._grow(seq, min(chunk, len(seq.tokens) - hit.num_tokens), hit)
+
+    def step(self, data: st.DataObject) -> None:
+        seq = self._pick(data, KVState.RESIDENT)
+        chunk = data.draw(st.integers(1, 12), "chunk")
+        if seq.num_computed == len(seq.tokens):
+            self.kv.append_tokens(seq, [data.draw(st.integers(0, 3), "token")])
+        self._grow(seq, min(chunk, len(seq.tokens) - seq.num_computed), None)
+
+    def finish(self, data: st.DataObject) -> None:
+        if not self.kv.sequences:
+            return
+        seq = self.kv.sequences[data.draw(st.sampled_from(sorted(self.kv.sequences)))]
+        self.kv.finish(seq)
+
+    def preempt_by_release(self, data: st.DataObject) -> None:
+        self.kv.release(self._pick(data, KVState.RESIDENT))
+
+    def swap_out(self, data: st.DataObject) -> None:
+        seq = self._pick(data, KVState.RESIDENT)
+        copies = self.kv.begin_swap_out(seq)
+        assert sorted(c.page for c in copies) == sorted(seq.held_pages())
+        self.kv.check_invariants()
+        self.kv.finish_swap_out(seq)
+
+    def swap_in(self, data: st.DataObject) -> None:
+        seq = self._pick(data, KVState.SWAPPED)
+        if not self.kv.can_swap_in(seq):
+            return
+        blocks = seq.swapped_blocks
+        copies = self.kv.swap_in(seq)
+        assert blocks is not None
+        assert sorted((c.group, c.block) for c in copies) == sorted(
+            (g, b) for g, bs in enumerate(blocks) for b in bs
+        )
+
+    def set_policy(self, data: st.DataObject) -> None:
+        policy = data.draw(st.sampled_from(SharingPolicy), "policy")
+        self.kv.set_policy(policy)
+
+    def set_mode(self, data: st.DataObject) -> None:
+        mode = data.draw(st.sampled_from(BudgetMode), "mode")
+        self.kv.set_mode(mode)
+
+    def set_reservation(self, data: st.DataObject) -> None:
+        tenant = data.draw(st.sampled_from(TENANTS), "tenant")
+        reservation = data.draw(st.integers(0, 20), "reservation")
+        extra = data.draw(st.integers(0, 20), "extra")
+        ledger = self.kv.ledger
+        others = sum(a.reservation for n, a in ledger.accounts.items() if n != tenant)
+        fits = others + reservation + ledger.public_bound <= ledger.capacity
+        cap = min(reservation + extra, ledger.capacity)
+        try:
+            self.kv.set_tenant(tenant, TenantBudget(reservation, cap))
+        except BudgetError:
+            assert not fits
+        else:
+            assert fits
+
+    def add_public_prefix(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(PREFIXES)), "prefix")
+        if name in self.kv.public:
+            return
+        try:
+            self.kv.add_public_prefix(name, PREFIXES[name])
+        except BudgetError:
+            assert self.kv.ledger.total_reserved() + len(PREFIXES[name]) // BLOCK * 3 > 0
+
+    def remove_public_prefix(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(PREFIXES)), "prefix")
+        if name in self.kv.public:
+            self.kv.remove_public_prefix(name)
+
+    def flush(self, data: st.DataObject) -> None:
+        self.kv.flush_cache()
+
+    # One rule drawing the operation: hypothesis favours the first entries of a
+    # sampled_from, so the workload operations come first and repeat.
+    OPERATIONS = (
+        "step",
+        "start",
+        "add",
+        "step",
+        "start",
+        "add",
+        "step",
+        "finish",
+        "swap_out",
+        "swap_in",
+        "preempt_by_release",
+        "set_reservation",
+        "set_policy",
+        "set_mode",
+        "add_public_prefix",
+        "remove_public_prefix",
+        "flush",
+    )
+    NEEDS: ClassVar[dict[str, KVState]] = {
+        "start": KVState.WAITING,
+        "step": KVState.RESIDENT,
+        "preempt_by_release": KVState.RESIDENT,
+        "swap_out": KVState.RESIDENT,
+        "swap_in": KVState.SWAPPED,
+    }
+
+    @rule(data=st.data())
+    def act(self, data: st.DataObject) -> None:
+        operation = data.draw(st.sampled_from(self.OPERATIONS), "operation")
+        needed = self.NEEDS.get(operation)
+        if needed is not None and not any(s.state is needed for s in self.kv.sequences.values()):
+            return
+        getattr(self, operation)(data)
+
+    @invariant()
+    def whole(self) -> None:
+        self.kv.check_invariants()
+        ledger = self.kv.ledger
+        assert ledger.total_reserved() + ledger.public_bound <= ledger.capacity
+        shared = ledger.accounts["@shared"].used
+        public_pages = sum(1 for p in self.kv.pool.public if p is not None)
+        assert shared <= public_pages <= ledger.public_bound
+
+
+TestKVMachine = KVMachine.TestCase
+TestKVMachine.settings = settings(
+    max_examples=200,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
