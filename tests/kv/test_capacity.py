@@ -1,0 +1,58 @@
+"""The seed's figures, and what kvd's allocator achieves, through the library."""
+
+from kvd.kv import preset
+from kvd.kv.capacity import capacity_report
+from kvd.kv.geometry import uniform_geometry
+
+GIB, MIB, KIB = 1024**3, 1024**2, 1024
+POOL = int(3.8 * GIB)
+
+
+def test_seed_eager_figures_for_gemma4_12b() -> None:
+    r = capacity_report(preset("gemma4-12b"), POOL)
+    assert (r.bytes_per_token.global_, r.bytes_per_token.sliding) == (128 * KIB, 320 * KIB)
+    assert r.eager is not None
+    assert r.eager.sliding_floor_bytes == 320 * MIB
+    assert r.eager.total_tokens == 8894
+    assert abs(r.eager.longest_sequence_tokens - 28570) <= 1  # 28,569.6: 28,569 fit
+    assert r.eager.max_sequences == 12
+
+
+def test_kvd_allocator_beats_the_eager_floor() -> None:
+    r = capacity_report(preset("gemma4-12b"), POOL)
+    assert r.kvd is not None
+    assert r.kvd.max_sequences_512 == 17  # lazy windows: 17 where the eager floor allows 12
+    assert r.kvd.page_bytes == MIB and r.kvd.groups == 7 and r.kvd.num_pages == 3890
+    # One global block granule short of the eager figure: the window is paid in
+    # blocks, and the null page is not allocatable.
+    assert 28_400 <= r.kvd.longest_sequence_tokens <= r.eager.longest_sequence_tokens
+    assert r.kvd.sliding_bytes_first_token == 5 * MIB  # one block per sliding group, not 320 MiB
+
+
+def test_context_pricing_and_the_second_seed() -> None:
+    gqa = capacity_report(
+        uniform_geometry("70b", layers=80, kv_heads=8, head_dim=128), context=131072
+    )
+    assert gqa.sequence_bytes_at_context == 42_949_672_960
+    mha = capacity_report(
+        uniform_geometry("mha", layers=80, kv_heads=64, head_dim=128), context=131072
+    )
+    assert mha.sequence_bytes_at_context == 343_597_383_680
+    assert gqa.eager is None and gqa.kvd is None  # no pool given
+
+
+def test_256k_context_on_gemma4_12b_exceeds_the_chip() -> None:
+    r = capacity_report(preset("gemma4-12b"), POOL, context=256 * 1024)
+    # The seed: about 32.3 GiB for a 256K context (global layers never stop growing).
+    assert r.sequence_bytes_at_context is not None
+    assert round(r.sequence_bytes_at_context / GIB, 1) == 32.3
+    assert r.kvd is not None and r.kvd.max_sequences_at_context == 0
+
+
+def test_sliding_only_models_have_no_length_bound() -> None:
+    g = uniform_geometry(
+        "swa", layers=4, kv_heads=1, head_dim=64, sliding_layers=4, sliding_window=64
+    )
+    r = capacity_report(g, 64 * MIB)
+    assert r.eager is not None and r.eager.longest_sequence_tokens is None
+    assert r.kvd is not None and r.kvd.longest_sequence_tokens is None

@@ -1,0 +1,117 @@
+"""kvctl and kvd as users run them: real subprocesses of the installed scripts."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+def run(prog: str, *args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which(prog, path=str(BIN))
+    assert exe is not None, f"{prog} is not installed next to {sys.executable}"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_capacity_json_for_the_seed() -> None:
+    out = run("kvctl", "capacity", "--model", "gemma4-12b", "--pool", "3.8GiB", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["bytes_per_token"]["global"] == 131072
+    assert report["bytes_per_token"]["sliding"] == 327680
+    eager = report["eager"]
+    assert eager["sliding_floor_bytes"] == 320 * 1024**2
+    assert eager["total_tokens"] == 8894
+    assert eager["longest_sequence_tokens"] == 28569
+    assert eager["max_sequences"] == 12
+    assert report["kvd"]["max_sequences_512"] == 17
+    assert report["kvd"]["longest_sequence_tokens"] > 28000
+
+
+def test_capacity_human_output() -> None:
+    out = run("kvctl", "capacity", "--model", "gemma4-12b", "--pool", "3.8GiB")
+    assert out.returncode == 0, out.stderr
+    for text in (
+        "128 KiB",
+        "320 KiB",
+        "320 MiB",
+        "8,894",
+        "28,569",
+        "concurrent 512-token sequences  17",
+    ):
+        assert text in out.stdout
+
+
+def test_capacity_by_flags_prices_the_70b_example() -> None:
+    out = run(
+        "kvctl",
+        "capacity",
+        "--layers",
+        "80",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "128",
+        "--context",
+        "131072",
+    )
+    assert out.returncode == 0 and "42.9 GB" in out.stdout
+    out = run(
+        "kvctl",
+        "capacity",
+        "--layers",
+        "80",
+        "--kv-heads",
+        "64",
+        "--head-dim",
+        "128",
+        "--context",
+        "131072",
+    )
+    assert "343.6 GB" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "gemma9", "--pool", "1GiB"],
+        ["--model", "gemma4-12b", "--pool", "3.8Gb"],
+        ["--model", "gemma4-12b", "--pool", "-1GiB"],
+        ["--model", "gemma4-12b", "--pool", "lots"],
+        ["--model", "gemma4-12b", "--pool", "1KiB"],
+        ["--model", "gemma4-12b", "--layers", "3"],
+        ["--layers", "4"],
+        ["--layers", "x", "--kv-heads", "1", "--head-dim", "8"],
+        ["--model", "gemma4-12b", "--dtype", "float64"],
+        ["--model", "gemma4-12b", "--bogus"],
+    ],
+)
+def test_capacity_bad_input_is_one_line_and_exit_2(args: list[str]) -> None:
+    out = run("kvctl", "capacity", *args)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvctl: error: ")
+
+
+def test_serve_says_not_yet() -> None:
+    out = run("kvd", "serve", "--config", "etc/kvd.dev.toml")
+    assert out.returncode == 1 and "not available yet" in out.stderr
+
+
+def test_bench_kv_prints_figures() -> None:
+    out = run("kvd", "bench", "kv", "--running", "8,32", "--steps", "5", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [s["running"] for s in report["steps"]] == [8, 32]
+    assert all(s["mean_ms"] > 0 for s in report["steps"])
+    assert report["hash_tokens_per_s"] > 0
+    bad = run("kvd", "bench", "kv", "--running", "a,b")
+    assert bad.returncode == 2 and bad.stderr.startswith("kvd: error:")
