@@ -28,7 +28,7 @@ def _print_error(message: str, code: int) -> int:
     return code
 
 
-class SizeType(click.ParamType):
+class SizeType(click.ParamType):  # type: ignore[type-arg]
     """A byte size such as 3.8GiB or 4GB (IEC and SI both explicit)."""
 
     name = "size"

@@ -203,8 +203,9 @@ class PagePool:
             else:
                 assert ref > 0 and holders and sum(holders.values()) == ref, page
                 charges[self.account_of(page)] += 1
-            if self.key[page] is not None:
-                assert self.index[self.key[page]] == page, page
+            key = self.key[page]
+            if key is not None:
+                assert self.index[key] == page, page
             assert self.public[page] is None or self.key[page] is not None, page
         assert len(self.index) == sum(1 for k in self.key if k is not None)
         for name, account in self.ledger.accounts.items():
