@@ -9,6 +9,7 @@ Anything else is refused with a message naming the input.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -57,7 +58,7 @@ def parse_size(text: str | int) -> int:
             f"unknown unit {match['unit']!r} in {text!r} "
             "(use B, KiB, MiB, GiB, TiB for powers of 1024 or kB, MB, GB, TB for powers of 1000)"
         )
-    value = float(match["num"]) * _UNITS[unit]
+    value = Decimal(match["num"]) * _UNITS[unit]  # exact: no float rounding or overflow
     if unit in ("", "b") and not match["num"].isdigit():
         raise SizeError(f"a size in bytes must be a whole number, got {text!r}")
     if value < 1:

@@ -17,9 +17,11 @@ written-down fairness order instead:
    displaces sequences less important than itself (lowest tier, then newest),
    whoever owns them; a waiting sequence displaces nobody and waits.
 
-Granularity: victims are whole sequences, so reclaiming a tenant's surplus
-can take it below its reservation; it is then itself under its guarantee and
-entitled to reclaim in turn. Pages shared with sequences that stay do not
+Granularity: victims are whole sequences. Within the chosen tenant the first
+sequence in eviction order whose pages fit inside its surplus goes first; only
+if every one is larger may reclaiming take the tenant below its reservation
+(it is then under its guarantee and entitled to reclaim in turn). Pages that
+sequences staying behind (or the requester's own prefix hit) still hold do not
 count as freed. The plan is pure: the scheduler recomputes or swaps the
 victims, then allocates.
 """
@@ -28,8 +30,8 @@ from __future__ import annotations
 
 import msgspec
 
-from kvd.kv.ledger import BudgetMode
-from kvd.kv.manager import Demand, KVManager
+from kvd.kv.ledger import SHARED_ACCOUNT, BudgetMode
+from kvd.kv.manager import Demand, KVManager, PrefixHit
 from kvd.kv.sequence import KVState, Sequence
 
 
@@ -55,11 +57,16 @@ def less_important(candidate: Sequence, than: Sequence) -> bool:
     return (candidate.tier, candidate.arrival) > (than.tier, than.arrival)
 
 
-def plan_eviction(kv: KVManager, requester: Sequence, demand: Demand) -> EvictionPlan | None:
+def plan_eviction(
+    kv: KVManager, requester: Sequence, demand: Demand, hit: PrefixHit | None = None
+) -> EvictionPlan | None:
     """Victims whose pages let ``demand`` be allocated for ``requester``, or None.
 
-    None means the demand cannot be met now without breaking the policy: the
-    requester waits (or, if running, the scheduler preempts the requester).
+    ``hit`` is the prefix hit the demand was computed with: its pages count as
+    the requester's, so no victim is chosen for pages the requester would only
+    have to revive. None means the demand cannot be met now without breaking
+    the policy: the requester waits (or, if running, the scheduler preempts
+    the requester itself).
     """
     ledger = kv.ledger
     tenant = requester.tenant
@@ -67,16 +74,17 @@ def plan_eviction(kv: KVManager, requester: Sequence, demand: Demand) -> Evictio
     short = demand.idle_pages - kv.pool.num_idle()
     if over_budget <= 0 and short <= 0:
         return EvictionPlan((), "none-needed")
+    sim = _Simulation(kv, requester, hit)
     if ledger.mode is BudgetMode.FREE:
         if requester.state is not KVState.RESIDENT:
             return None
         candidates = [s for s in _resident(kv) if less_important(s, requester)]
-        return _greedy(kv, candidates, max(short, over_budget), "fcfs", charged_to=None)
+        return _greedy(sim, candidates, max(short, over_budget), 0, None, "fcfs")
     guaranteed = min(demand.charges, ledger.shortfall(tenant))
     if over_budget <= 0 and short <= guaranteed:
-        return _reclaim_surplus(kv, requester, short)
+        return _reclaim_surplus(sim, requester, short)
     own = [s for s in _resident(kv) if s.tenant == tenant and less_important(s, requester)]
-    return _greedy(kv, own, max(short, 0), "own-sequences", over_budget, tenant)
+    return _greedy(sim, own, max(short, 0), over_budget, tenant, "own-sequences")
 
 
 def _resident(kv: KVManager) -> list[Sequence]:
@@ -88,73 +96,129 @@ def _eviction_order(seq: Sequence) -> tuple[int, int]:
 
 
 class _Simulation:
-    """Reference counts as they would be after the victims chosen so far."""
+    """Page holders and charges as they would be after the victims chosen so far.
 
-    def __init__(self, kv: KVManager) -> None:
+    It follows the pool's own rules: a page is freed when its last holder lets
+    go, and a page whose payer lets go while others still hold it is charged
+    to the next holder (possible only under the ``shared`` policy).
+    """
+
+    def __init__(self, kv: KVManager, requester: Sequence, hit: PrefixHit | None) -> None:
         self.kv = kv
-        self.ref: dict[int, int] = {}
-        self.charged: dict[str, int] = {}
+        self.holders: dict[int, dict[str, int]] = {}
+        self.charged: dict[str, int] = {}  # change of each account's charges (negative: fewer)
+        if hit is not None:
+            for pages in hit.pages:
+                for page in pages:
+                    if page and kv.pool.holders[page] is not None:
+                        self._holders(page)[requester.tenant] = (
+                            self._holders(page).get(requester.tenant, 0) + 1
+                        )
 
-    def release(self, seq: Sequence) -> tuple[int, int]:
-        """Pages freed by ``seq`` letting go, and how many of them its tenant paid."""
-        pool = self.kv.pool
-        freed = paid = 0
+    def _holders(self, page: int) -> dict[str, int]:
+        held = self.holders.get(page)
+        if held is None:
+            held = dict(self.kv.pool.holders[page] or {})
+            self.holders[page] = held
+        return held
+
+    def surplus(self, tenant: str) -> int:
+        return self.kv.ledger.surplus(tenant) + self.charged.get(tenant, 0)
+
+    def _payer(self, page: int, holders: dict[str, int]) -> str | None:
+        if not holders:
+            return None
+        return SHARED_ACCOUNT if self.kv.pool.public[page] is not None else next(iter(holders))
+
+    def preview(self, seq: Sequence) -> tuple[int, int]:
+        """(pages freed, pages its tenant stops paying) if ``seq`` let go now; no change."""
+        freed = relieved = 0
         for page in seq.held_pages():
-            left = self.ref.get(page, pool.ref[page]) - 1
-            self.ref[page] = left
-            if left == 0:
-                freed += 1
-                paid += pool.account_of(page) == seq.tenant
-        self.charged[seq.tenant] = self.charged.get(seq.tenant, 0) + paid
-        return freed, paid
+            held = dict(self._holders(page))
+            before = self._payer(page, held)
+            held[seq.tenant] -= 1
+            if not held[seq.tenant]:
+                del held[seq.tenant]
+            freed += not held
+            relieved += before == seq.tenant and self._payer(page, held) != seq.tenant
+        return freed, relieved
+
+    def release(self, seq: Sequence) -> int:
+        """Let ``seq`` go; returns the pages that become idle."""
+        freed = 0
+        for page in seq.held_pages():
+            held = self._holders(page)
+            before = self._payer(page, held)
+            held[seq.tenant] -= 1
+            if not held[seq.tenant]:
+                del held[seq.tenant]
+            after = self._payer(page, held)
+            freed += after is None
+            if before != after:
+                assert before is not None
+                self.charged[before] = self.charged.get(before, 0) - 1
+                if after is not None:
+                    self.charged[after] = self.charged.get(after, 0) + 1
+        return freed
 
 
-def _reclaim_surplus(kv: KVManager, requester: Sequence, short: int) -> EvictionPlan | None:
-    ledger = kv.ledger
+def _victim(seq: Sequence, freed: int) -> Victim:
+    return Victim(seq.seq_id, seq.tenant, seq.tier, seq.arrival, freed)
+
+
+def _reclaim_surplus(sim: _Simulation, requester: Sequence, short: int) -> EvictionPlan | None:
     by_tenant: dict[str, list[Sequence]] = {}
-    for seq in _resident(kv):
+    for seq in _resident(sim.kv):
         if seq.tenant != requester.tenant:
             by_tenant.setdefault(seq.tenant, []).append(seq)
     for seqs in by_tenant.values():
-        seqs.sort(key=_eviction_order, reverse=True)  # pop() yields the first victim
-    sim = _Simulation(kv)
+        seqs.sort(key=_eviction_order)
     victims: list[Victim] = []
     freed = 0
     while freed < short:
-        surplus = {
-            t: ledger.surplus(t) - sim.charged.get(t, 0) for t, seqs in by_tenant.items() if seqs
-        }
+        surplus = {t: sim.surplus(t) for t, seqs in by_tenant.items() if seqs}
         surplus = {t: s for t, s in surplus.items() if s > 0}
         if not surplus:
             return None
         tenant = max(surplus, key=lambda t: (surplus[t], t))
-        seq = by_tenant[tenant].pop()
-        pages, _ = sim.release(seq)
+        seq = _within_surplus(sim, by_tenant[tenant], surplus[tenant])
+        by_tenant[tenant].remove(seq)
+        pages = sim.release(seq)
         freed += pages
-        victims.append(Victim(seq.seq_id, seq.tenant, seq.tier, seq.arrival, pages))
+        victims.append(_victim(seq, pages))
     return EvictionPlan(tuple(victims), "reclaim-surplus")
 
 
+def _within_surplus(sim: _Simulation, seqs: list[Sequence], surplus: int) -> Sequence:
+    """The first sequence in eviction order whose release stays within the surplus
+    (so the tenant keeps its guarantee); if every one is larger, the first."""
+    for seq in seqs:
+        if sim.preview(seq)[1] <= surplus:
+            return seq
+    return seqs[0]
+
+
 def _greedy(
-    kv: KVManager,
+    sim: _Simulation,
     candidates: list[Sequence],
     short: int,
+    over_budget: int,
+    tenant: str | None,
     reason: str,
-    over_budget: int = 0,
-    charged_to: str | None = None,
 ) -> EvictionPlan | None:
-    """Take candidates in eviction order until idle pages and budget both suffice."""
+    """Take candidates in eviction order until idle pages suffice, and until
+    ``tenant`` is relieved of ``over_budget`` charges."""
     candidates.sort(key=_eviction_order)
-    sim = _Simulation(kv)
     victims: list[Victim] = []
-    freed = uncharged = 0
+    freed = 0
     for seq in candidates:
-        if freed >= short and uncharged >= over_budget:
+        relieved = -sim.charged.get(tenant, 0) if tenant is not None else 0
+        if freed >= short and relieved >= over_budget:
             break
-        pages, paid = sim.release(seq)
+        pages = sim.release(seq)
         freed += pages
-        uncharged += paid if charged_to is not None else 0
-        victims.append(Victim(seq.seq_id, seq.tenant, seq.tier, seq.arrival, pages))
-    if freed >= short and uncharged >= over_budget:
+        victims.append(_victim(seq, pages))
+    relieved = -sim.charged.get(tenant, 0) if tenant is not None else 0
+    if freed >= short and relieved >= over_budget:
         return EvictionPlan(tuple(victims), reason)
     return None

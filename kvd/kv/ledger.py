@@ -11,6 +11,12 @@ Who pays for a page (every *referenced* page is charged to exactly one account):
 Pages nobody references (free, or cached and reusable in LRU order) are idle
 capacity and charged to nobody: any allocation may take them.
 
+Under ``shared`` a tenant that holds a page another tenant paid for becomes
+its payer when that tenant lets go, even past its own cap: it then cannot
+grow until it is back under, and the excess is surplus others may reclaim.
+The reservation guarantee is exact for the ``isolated`` and ``public``
+policies; under ``shared`` it counts pages a tenant holds through sharing.
+
 Modes:
 
 - ``free``: first come, first served; reservations and caps are not enforced.

@@ -11,7 +11,9 @@ It is sans-IO and synchronous. The scheduler drives it per step::
     kv.finish(seq)                            # pages back to the pool
 
 A prefix hit stays valid until a cached page is evicted (``pool.evictions``
-moves), so lookup, check and allocate belong in one scheduling decision.
+moves) or the sharing configuration changes (``generation`` moves: a policy
+switch or a public-prefix change), so lookup, check and allocate belong in one
+scheduling decision; ``allocate`` refuses a stale hit.
 
 Sliding-window groups (lazy windows): a block is allocated only when a token
 lands in it, and released as soon as no future query can see it: a query at
@@ -46,11 +48,13 @@ class PrefixHit(msgspec.Struct, frozen=True):
     null page where a sliding group needs no page (below ``sliding_start``).
     """
 
+    seq_id: int
     num_blocks: int
     num_tokens: int
     sliding_start: int
     pages: tuple[tuple[int, ...], ...]
-    epoch: int
+    epoch: int  # cache evictions at lookup time
+    generation: int  # sharing configuration at lookup time
     scope: Scope
 
 
@@ -110,6 +114,7 @@ class KVManager:
         self.sliding_groups = tuple(g.index for g in layout.groups_of(AttentionKind.SLIDING))
         self.window = layout.geometry.window if self.sliding_groups else None
         self._arrivals = 0
+        self.generation = 0  # bumped by every change of who may share what
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -133,6 +138,7 @@ class KVManager:
     def set_policy(self, policy: SharingPolicy) -> None:
         """Switch the sharing policy; it scopes every lookup from now on."""
         self.policy = SharingPolicy(policy)
+        self.generation += 1
 
     def add_public_prefix(self, name: str, tokens: list[int]) -> None:
         """Register a public prefix; refused if its pages would break reservations."""
@@ -142,13 +148,14 @@ class KVManager:
             raise ValueError("a public prefix needs at least one token")
         self.ledger.set_public_bound(self._public_bound(extra=len(tokens)))
         self.public.add(name, tokens)
+        self.generation += 1
 
     def remove_public_prefix(self, name: str) -> None:
         """Unregister a public prefix; its pages that no other prefix covers
         leave the cache (idle ones are freed, held ones become private)."""
-        self.public.remove(name)
-        self.pool.unpublish(name)
+        self.pool.unpublish(self.public.remove(name))
         self.ledger.set_public_bound(self._public_bound())
+        self.generation += 1
 
     def _public_bound(self, extra: int = 0) -> int:
         lengths = [len(tokens) for _, tokens in self.public.items()] + [extra]
@@ -185,11 +192,18 @@ class KVManager:
         self.sequences[seq_id] = seq
         return seq
 
+    def _own(self, seq: Sequence) -> None:
+        """Refuse a Sequence this manager does not hold (finished, or another's)."""
+        if self.sequences.get(seq.seq_id) is not seq:
+            raise KVError(f"sequence {seq.seq_id} is not live in this KV manager")
+
     def append_tokens(self, seq: Sequence, tokens: Iterable[int]) -> None:
+        self._own(seq)
         seq.tokens.extend(tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Release every page and forget the sequence."""
+        self._own(seq)
         if seq.state is KVState.SWAPPING_OUT:
             raise KVError("finish a swap-out before removing the sequence")
         self.release(seq)
@@ -203,6 +217,7 @@ class KVManager:
         full blocks stay cached, tail first in the LRU, so a re-prefill finds
         as much of itself as the pool could keep.
         """
+        self._own(seq)
         if seq.state is KVState.SWAPPING_OUT:
             raise KVError("finish a swap-out before releasing the sequence")
         self._drop_all(seq)
@@ -258,6 +273,7 @@ class KVManager:
         the longest length that satisfies every group (as vLLM intersects
         full-attention and sliding-window hits).
         """
+        self._own(seq)
         if seq.state is not KVState.WAITING:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not waiting")
         scope = self._ensure_scope(seq)
@@ -282,7 +298,14 @@ class KVManager:
             for g in range(self.num_groups)
         )
         return PrefixHit(
-            hit, hit * self.block_size, sliding_start, pages, self.pool.evictions, scope
+            seq.seq_id,
+            hit,
+            hit * self.block_size,
+            sliding_start,
+            pages,
+            self.pool.evictions,
+            self.generation,
+            scope,
         )
 
     def _sliding_hit(self, hashes: list[bytes], limit: int) -> int:
@@ -322,6 +345,7 @@ class KVManager:
     def _start_point(
         self, seq: Sequence, num_tokens: int, hit: PrefixHit | None
     ) -> tuple[int, int]:
+        self._own(seq)
         if num_tokens < 1:
             raise KVError("allocate at least one token")
         if seq.state is KVState.WAITING:
@@ -360,8 +384,11 @@ class KVManager:
         Raises KVError, changing nothing, if the pages or the budget are not there.
         """
         demand = self.demand(seq, num_tokens, hit)
-        if hit is not None and (hit.epoch != self.pool.evictions or hit.scope != seq.scope):
-            raise KVError("stale prefix hit: the cache changed since the lookup")
+        if hit is not None:
+            if hit.seq_id != seq.seq_id:
+                raise KVError(f"prefix hit of sequence {hit.seq_id} given for {seq.seq_id}")
+            if hit.epoch != self.pool.evictions or hit.generation != self.generation:
+                raise KVError("stale prefix hit: the cache or sharing changed since the lookup")
         if not self.fits(seq.tenant, demand):
             raise KVError(
                 f"cannot allocate {demand.idle_pages} pages for tenant {seq.tenant!r}: "
@@ -406,6 +433,7 @@ class KVManager:
         Newly full blocks enter the prefix cache; sliding groups release the
         blocks no future query can see.
         """
+        self._own(seq)
         if seq.state is not KVState.RESIDENT:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
         old = seq.num_computed
@@ -423,12 +451,13 @@ class KVManager:
         scope = seq.scope if seq.scope is not None else self._ensure_scope(seq)
         hashes = self._extend_hashes(seq, stop)
         register = self.pool.register
+        live = self.public.live_ids() if scope.public_blocks > start else frozenset()
         for block in range(start, stop):
             public = None
             if block < scope.public_blocks:
-                # Only prefixes still registered may make a page public; a block
-                # of a prefix removed since the lookup stays private, uncached.
-                public = frozenset(n for n in scope.prefixes_covering(block) if n in self.public)
+                # Only registrations still live may make a page public; a block of
+                # a prefix removed (or replaced) since the lookup stays uncached.
+                public = scope.prefixes_covering(block) & live
                 if not public:
                     continue
             key_hash = hashes[block]
@@ -452,6 +481,7 @@ class KVManager:
 
     def begin_swap_out(self, seq: Sequence) -> list[PageCopy]:
         """The pages to copy to host; they stay held until ``finish_swap_out``."""
+        self._own(seq)
         if seq.state is not KVState.RESIDENT:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
         seq.state = KVState.SWAPPING_OUT
@@ -464,6 +494,7 @@ class KVManager:
 
     def finish_swap_out(self, seq: Sequence) -> None:
         """The copies are on the host: free the pages, remember which blocks they were."""
+        self._own(seq)
         if seq.state is not KVState.SWAPPING_OUT:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapping out")
         swapped = [[b for b, page in enumerate(table) if page] for table in seq.tables]
@@ -472,6 +503,7 @@ class KVManager:
         seq.state = KVState.SWAPPED
 
     def swap_in_demand(self, seq: Sequence) -> Demand:
+        self._own(seq)
         if seq.state is not KVState.SWAPPED or seq.swapped_blocks is None:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapped")
         pages = sum(len(blocks) for blocks in seq.swapped_blocks)

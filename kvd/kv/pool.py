@@ -39,8 +39,8 @@ class PagePool:
         self.ref = [0] * num_pages
         self.holders: list[dict[str, int] | None] = [None] * num_pages
         self.key: list[CacheKey | None] = [None] * num_pages
-        # Registered public prefixes each public page belongs to; None: not public.
-        self.public: list[frozenset[str] | None] = [None] * num_pages
+        # Registration ids of the public prefixes each public page lies in; None: not public.
+        self.public: list[frozenset[int] | None] = [None] * num_pages
         self.free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() yields low ids first
         self.lru: OrderedDict[int, None] = OrderedDict()  # head = least recently used
         self.index: dict[CacheKey, int] = {}
@@ -121,7 +121,7 @@ class PagePool:
     def lookup(self, key: CacheKey) -> int | None:
         return self.index.get(key)
 
-    def register(self, page: int, key: CacheKey, public: frozenset[str] | None) -> bool:
+    def register(self, page: int, key: CacheKey, public: frozenset[int] | None) -> bool:
         """Make a full, referenced page findable by ``key``.
 
         ``public`` names the registered public prefixes the block lies in; such
@@ -140,7 +140,7 @@ class PagePool:
             self.ledger.accounts[SHARED_ACCOUNT].used += 1
         return True
 
-    def unpublish(self, name: str) -> int:
+    def unpublish(self, prefix_id: int) -> int:
         """A public prefix was removed: its pages stop being public.
 
         A page no remaining prefix covers is taken out of the cache (so the
@@ -150,10 +150,10 @@ class PagePool:
         """
         affected = 0
         for page, names in enumerate(self.public):
-            if names is None or name not in names:
+            if names is None or prefix_id not in names:
                 continue
             affected += 1
-            remaining = names - {name}
+            remaining = names - {prefix_id}
             if remaining:
                 self.public[page] = remaining
                 continue

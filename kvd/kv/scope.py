@@ -48,15 +48,16 @@ class Scope(msgspec.Struct, frozen=True):
 
     Blocks ``[0, public_blocks)`` are hashed in the public scope; the rest in
     ``private``. ``public_matches`` lists every registered public prefix the
-    request starts with, as (name, full blocks), longest first.
+    request starts with, as (name, registration id, full blocks), longest
+    first. Registration ids tell a prefix re-added under an old name apart.
     """
 
     private: bytes
-    public_matches: tuple[tuple[str, int], ...] = ()
+    public_matches: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def public_blocks(self) -> int:
-        return self.public_matches[0][1] if self.public_matches else 0
+        return self.public_matches[0][2] if self.public_matches else 0
 
     @property
     def public_prefix(self) -> str | None:
@@ -65,8 +66,9 @@ class Scope(msgspec.Struct, frozen=True):
     def of_block(self, index: int) -> bytes:
         return PUBLIC_SCOPE if index < self.public_blocks else self.private
 
-    def prefixes_covering(self, index: int) -> frozenset[str]:
-        return frozenset(name for name, blocks in self.public_matches if index < blocks)
+    def prefixes_covering(self, index: int) -> frozenset[int]:
+        """Registration ids of the matched prefixes that contain block ``index``."""
+        return frozenset(rid for _, rid, blocks in self.public_matches if index < blocks)
 
 
 def tenant_scope(policy: SharingPolicy, tenant: str, cache_salt: str | None) -> bytes:
@@ -105,44 +107,57 @@ def chain_hashes(
 
 
 class PublicPrefixes:
-    """Operator-registered public prefixes (token sequences), by name."""
+    """Operator-registered public prefixes (token sequences), by name.
+
+    Each registration gets a fresh id, so pages cached for a prefix that was
+    removed (or replaced under the same name) are never taken for the new one.
+    """
 
     def __init__(self) -> None:
-        self._by_name: dict[str, tuple[int, ...]] = {}
+        self._by_name: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._next_id = 1
         self.hits: dict[str, int] = {}  # prefix name -> tokens served from cache
 
-    def add(self, name: str, tokens: Sequence[int]) -> None:
+    def add(self, name: str, tokens: Sequence[int]) -> int:
         if not tokens:
             raise ValueError("a public prefix needs at least one token")
         if name in self._by_name:
             raise ValueError(f"a public prefix named {name!r} already exists")
-        self._by_name[name] = tuple(tokens)
-        self.hits.setdefault(name, 0)
+        rid = self._next_id
+        self._next_id += 1
+        self._by_name[name] = (rid, tuple(tokens))
+        self.hits[name] = 0
+        return rid
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str) -> int:
+        """Unregister; returns the registration id that ended."""
         if name not in self._by_name:
             raise KeyError(f"no public prefix named {name!r}")
-        del self._by_name[name]
+        rid, _ = self._by_name.pop(name)
         self.hits.pop(name, None)
+        return rid
 
     def items(self) -> list[tuple[str, tuple[int, ...]]]:
-        return list(self._by_name.items())
+        return [(name, tokens) for name, (_, tokens) in self._by_name.items()]
+
+    def live_ids(self) -> frozenset[int]:
+        return frozenset(rid for rid, _ in self._by_name.values())
 
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def matches(self, tokens: Sequence[int]) -> list[tuple[str, int]]:
-        """Registered prefixes that ``tokens`` start with, as (name, length), longest first."""
-        found = [
-            (name, len(prefix))
-            for name, prefix in self._by_name.items()
-            if len(prefix) <= len(tokens) and tuple(tokens[: len(prefix)]) == prefix
-        ]
-        found.sort(key=lambda match: (-match[1], match[0]))
-        return found
-
     def __contains__(self, name: str) -> bool:
         return name in self._by_name
+
+    def matches(self, tokens: Sequence[int]) -> list[tuple[str, int, int]]:
+        """Registered prefixes ``tokens`` start with: (name, id, length), longest first."""
+        found = [
+            (name, rid, len(prefix))
+            for name, (rid, prefix) in self._by_name.items()
+            if len(prefix) <= len(tokens) and tuple(tokens[: len(prefix)]) == prefix
+        ]
+        found.sort(key=lambda match: (-match[2], match[0]))
+        return found
 
 
 def resolve_scope(
@@ -158,8 +173,8 @@ def resolve_scope(
     if policy is SharingPolicy.ISOLATED:
         return Scope(private)
     matches = tuple(
-        (name, length // block_size)
-        for name, length in public.matches(tokens)
+        (name, rid, length // block_size)
+        for name, rid, length in public.matches(tokens)
         if length >= block_size
     )
     return Scope(private, matches)

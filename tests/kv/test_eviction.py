@@ -237,3 +237,46 @@ def test_shared_pages_do_not_count_as_freed(flat: PageLayout) -> None:
     assert plan2 is not None
     carry_out(kv, plan2)
     assert kv.can_allocate(req2, 48)
+
+
+def test_reclaiming_prefers_a_victim_that_fits_the_surplus(flat: PageLayout) -> None:
+    kv = make_kv(flat, pages=13, tenants={"a": TenantBudget(10), "c": TenantBudget(2)})
+    running(kv, 1, "a", 1)  # older, 1 page
+    running(kv, 2, "a", 10)  # newer, 10 pages: a holds 11, surplus 1
+    running(kv, 3, "c", 1)  # full
+    req = kv.add_sequence(9, "c", list(range(4)))
+    plan = plan_for(kv, req, 4)
+    # Newest-first would take a's 10-page sequence and a's guarantee with it.
+    assert plan is not None and [v.seq_id for v in plan.victims] == [1]
+
+
+def test_pages_the_requesters_hit_needs_are_not_counted_as_freed(flat: PageLayout) -> None:
+    kv = make_kv(flat, pages=13, tenants={"a": TenantBudget()})
+    prompt = list(range(41))
+    victim = kv.add_sequence(1, "a", prompt, tier=1)  # less important, holds the prefix
+    kv.allocate(victim, 40)
+    kv.commit(victim, 40)
+    running(kv, 3, "a", 2)  # idle 0
+    req = kv.add_sequence(2, "a", prompt + [7] * 11, tier=0)
+    hit = kv.lookup(req)
+    demand = kv.demand(req, 12, hit)
+    # Evicting the victim would only turn the hit's pages into pages to revive.
+    assert plan_eviction(kv, req, demand, hit) is None
+    assert plan_eviction(kv, req, demand) is not None  # blind to the hit, it would try
+
+
+def test_shared_charges_move_to_the_next_holder_in_the_plan(flat: PageLayout) -> None:
+    budgets = {"a": TenantBudget(0), "b": TenantBudget(1), "c": TenantBudget(10)}
+    kv = make_kv(flat, pages=21, policy=SharingPolicy.SHARED, tenants=budgets)
+    tokens = list(range(65))
+    a = kv.add_sequence(1, "a", tokens)
+    kv.allocate(a, 64)
+    kv.commit(a, 64)  # 16 pages charged to a
+    b = kv.add_sequence(2, "b", tokens)
+    kv.allocate(b, 1, kv.lookup(b))  # b shares a's 16 pages, 1 page of its own
+    req = kv.add_sequence(3, "c", [5] * 17)
+    plan = plan_for(kv, req, 16)  # c needs 4 pages within its reservation, 3 idle
+    # Releasing a frees nothing but moves 16 charges to b, whose surplus then pays.
+    assert plan is not None and [v.seq_id for v in plan.victims] == [1, 2]
+    carry_out(kv, plan)
+    assert kv.can_allocate(req, 16)

@@ -340,3 +340,56 @@ def test_bad_calls_are_refused(layout: PageLayout) -> None:
     with pytest.raises(KVError, match="still has sequences"):
         kv.remove_tenant("a")
     kv.check_invariants()
+
+
+def test_a_hit_from_before_a_policy_switch_is_refused(layout: PageLayout) -> None:
+    kv = make_kv(layout, policy=SharingPolicy.SHARED)
+    prefill(kv, kv.add_sequence(1, "a", list(range(9))))
+    b = kv.add_sequence(2, "b", list(range(9)))
+    hit = kv.lookup(b)
+    assert hit.num_tokens == 8  # shared: b may use a's blocks
+    kv.set_policy(SharingPolicy.ISOLATED)
+    with pytest.raises(KVError, match="stale"):
+        kv.allocate(b, 1, hit)  # would be a cross-tenant hit under isolated
+    assert kv.lookup(b).num_tokens == 0
+    kv.check_invariants()
+
+
+def test_a_hit_belongs_to_its_sequence(layout: PageLayout) -> None:
+    kv = make_kv(layout)
+    prefill(kv, kv.add_sequence(1, "a", [1] * 9))
+    y = kv.add_sequence(2, "a", [1] * 9)
+    z = kv.add_sequence(3, "a", [5] * 9)
+    with pytest.raises(KVError, match="prefix hit of sequence 2 given for 3"):
+        kv.allocate(z, 1, kv.lookup(y))
+
+
+def test_a_finished_sequence_object_is_refused(layout: PageLayout) -> None:
+    kv = make_kv(layout)
+    old = kv.add_sequence(1, "a", [1] * 8)
+    prefill(kv, old)
+    kv.finish(old)
+    new = kv.add_sequence(1, "a", [2] * 8)  # the id is reused
+    prefill(kv, new)
+    for call in (kv.finish, kv.release, kv.lookup, kv.begin_swap_out):
+        with pytest.raises(KVError, match="not live"):
+            call(old)
+    with pytest.raises(KVError, match="not live"):
+        kv.allocate(old, 1)
+    assert kv.sequences[1] is new
+    kv.check_invariants()
+
+
+def test_a_prefix_replaced_under_the_same_name_does_not_publish_old_blocks() -> None:
+    kv = make_kv(build_layout(global_only_geometry(), BLOCK), pages=41)
+    old = list(range(100, 116))  # four blocks
+    kv.add_public_prefix("sys", old)
+    seq = kv.add_sequence(1, "a", [*old, 1, 2, 3])
+    hit = kv.lookup(seq)
+    compute(kv, seq, 4, hit)  # block 0 registered public
+    kv.remove_public_prefix("sys")
+    kv.add_public_prefix("sys", [9, 9, 9, 9])  # same name, other text: one block
+    compute(kv, seq, 15)  # blocks 1..3 of the old prefix must not become public
+    assert kv.ledger.accounts[SHARED_ACCOUNT].used == 0
+    assert sum(p is not None for p in kv.pool.public) <= kv.ledger.public_bound
+    kv.check_invariants()

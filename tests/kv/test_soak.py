@@ -33,7 +33,7 @@ def _grow(kv: KVManager, seq: Sequence, tokens: int, seen: Counter[str]) -> None
     tokens = min(tokens, len(seq.tokens) - start)
     demand = kv.demand(seq, tokens, hit)
     if not kv.fits(seq.tenant, demand):
-        plan = plan_eviction(kv, seq, demand)
+        plan = plan_eviction(kv, seq, demand, hit)
         if demand.charges <= kv.ledger.shortfall(seq.tenant):
             assert plan is not None, "a demand within the reservation was refused"
             seen["guaranteed"] += 1

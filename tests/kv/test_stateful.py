@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -24,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvd.kv import (
     BudgetError,
     BudgetMode,
+    KVError,
     KVManager,
     KVState,
     PrefixHit,
@@ -118,7 +120,7 @@ class KVMachine(RuleBasedStateMachine):
         kv = self.kv
         demand = kv.demand(seq, num_tokens, hit)
         if not kv.can_allocate(seq, num_tokens, hit):
-            plan = plan_eviction(kv, seq, demand)
+            plan = plan_eviction(kv, seq, demand, hit)
             guaranteed = demand.charges <= kv.ledger.shortfall(seq.tenant)
             if (
                 kv.ledger.mode is not BudgetMode.FREE
@@ -134,10 +136,14 @@ class KVMachine(RuleBasedStateMachine):
             kv.check_invariants()
             assert kv.pool.num_idle() >= demand.idle_pages
             assert kv.ledger.headroom(seq.tenant) >= demand.charges
-            if hit is not None and hit.epoch != kv.pool.evictions:
+            assert hit is None or hit.epoch == kv.pool.evictions  # releasing evicts nothing
+            now = kv.demand(seq, num_tokens, hit)
+            assert now.idle_pages <= kv.pool.num_idle()
+            if not kv.fits(seq.tenant, now):
+                # Only possible when a victim shared pages of the hit: the
+                # requester must now pay for reviving them.
+                assert now.charges > demand.charges
                 return
-            if not kv.can_allocate(seq, num_tokens, hit):
-                return  # a victim's release changed what the hit revives
         kv.allocate(seq, num_tokens, hit)
         kv.commit(seq, num_tokens)
 
@@ -160,6 +166,16 @@ class KVMachine(RuleBasedStateMachine):
         chunk = data.draw(st.integers(1, 12), "chunk")
         hit = self.kv.lookup(seq)
         self._check_hit(seq, hit)
+        if data.draw(st.integers(0, 5), "reconfigure between lookup and allocate") == 0:
+            # A hit looked up under one sharing configuration must not be
+            # allocated under another (it could be a cross-scope hit now).
+            generation = self.kv.generation
+            self.set_policy(data)
+            if self.kv.generation != generation:
+                with pytest.raises(KVError, match="stale"):
+                    self.kv.allocate(seq, 1, hit)
+                hit = self.kv.lookup(seq)
+                self._check_hit(seq, hit)
         self._grow(seq, min(chunk, len(seq.tokens) - hit.num_tokens), hit)
 
     def step(self, data: st.DataObject) -> None:
@@ -223,10 +239,15 @@ class KVMachine(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(sorted(PREFIXES)), "prefix")
         if name in self.kv.public:
             return
+        pages = sum(len(t) // BLOCK for _, t in self.kv.public.items()) * self.kv.num_groups
+        pages += len(PREFIXES[name]) // BLOCK * self.kv.num_groups
+        fits = self.kv.ledger.total_reserved() + pages <= self.kv.ledger.capacity
         try:
             self.kv.add_public_prefix(name, PREFIXES[name])
         except BudgetError:
-            assert self.kv.ledger.total_reserved() + len(PREFIXES[name]) // BLOCK * 3 > 0
+            assert not fits
+        else:
+            assert fits
 
     def remove_public_prefix(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(sorted(PREFIXES)), "prefix")
