@@ -1,0 +1,1 @@
+"""The JAX paged Gemma engine: weights, tokenizer, forward pass, sampling."""

@@ -1,0 +1,250 @@
+"""Checkpoints into one parameter pytree: GGUF files and Hugging Face directories.
+
+Layout of the pytree (numpy until placed on a device; x @ W convention):
+    embed [V, D], final_norm [D],
+    layers[i]: attn_norm, post_attn_norm, pre_ffn_norm, post_ffn_norm [D];
+               q [D, N*H], k [D, K*H], v [D, K*H], o [N*H, D], q_norm, k_norm [H];
+               gate, up [D, F], down [F, D]
+Norm weights are stored as the direct multiplier: Gemma 3's checkpoints hold
+``w`` for ``x * (1 + w)`` (GGUF files already hold ``1 + w``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvd.engine.config import ConfigError, ModelConfig, from_hf_config
+from kvd.engine.gguf import GGUFError, GGUFFile
+from kvd.kv.geometry import interleaved_kinds
+
+
+class WeightsError(ValueError):
+    """A checkpoint that does not fit its model; the message names the tensor."""
+
+
+_LAYER_FIELDS = {
+    # kvd name: (HF suffix, GGUF suffix, transpose, is_norm)
+    "attn_norm": ("input_layernorm.weight", "attn_norm.weight", False, True),
+    "post_attn_norm": (
+        "post_attention_layernorm.weight",
+        "post_attention_norm.weight",
+        False,
+        True,
+    ),
+    "pre_ffn_norm": ("pre_feedforward_layernorm.weight", "ffn_norm.weight", False, True),
+    "post_ffn_norm": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight", False, True),
+    "q": ("self_attn.q_proj.weight", "attn_q.weight", True, False),
+    "k": ("self_attn.k_proj.weight", "attn_k.weight", True, False),
+    "v": ("self_attn.v_proj.weight", "attn_v.weight", True, False),
+    "o": ("self_attn.o_proj.weight", "attn_output.weight", True, False),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight", False, True),
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight", False, True),
+    "gate": ("mlp.gate_proj.weight", "ffn_gate.weight", True, False),
+    "up": ("mlp.up_proj.weight", "ffn_up.weight", True, False),
+    "down": ("mlp.down_proj.weight", "ffn_down.weight", True, False),
+}
+
+
+def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    kind = cfg.layer_kinds[layer]
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    h, kv = cfg.head_dim_of(kind), cfg.kv_heads_of(kind)
+    return {
+        "attn_norm": (d,),
+        "post_attn_norm": (d,),
+        "pre_ffn_norm": (d,),
+        "post_ffn_norm": (d,),
+        "q": (d, cfg.num_heads * h),
+        "k": (d, kv * h),
+        "v": (d, kv * h),
+        "o": (cfg.num_heads * h, d),
+        "q_norm": (h,),
+        "k_norm": (h,),
+        "gate": (d, f),
+        "up": (d, f),
+        "down": (f, d),
+    }
+
+
+def _check(name: str, array: np.ndarray[Any, Any], shape: tuple[int, ...]) -> None:
+    if array.shape != shape:
+        raise WeightsError(f"tensor {name} has shape {array.shape}, the model needs {shape}")
+
+
+def _build(
+    cfg: ModelConfig,
+    fetch: Callable[[str, bool], np.ndarray[Any, Any]],
+    norm_offset: float,
+    dtype: Any,
+) -> dict[str, Any]:
+    """Assemble the pytree; ``fetch(kvd_path, is_hf_norm)`` returns float32 arrays."""
+
+    def cast(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return np.ascontiguousarray(array, dtype=dtype)
+
+    embed = fetch("embed", False)
+    _check("embed", embed, (cfg.vocab_size, cfg.hidden_size))
+    final_norm = fetch("final_norm", True) + norm_offset
+    _check("final_norm", final_norm, (cfg.hidden_size,))
+    layers = []
+    for i in range(cfg.num_layers):
+        shapes = expected_shapes(cfg, i)
+        layer = {}
+        for field, (_, _, transpose, is_norm) in _LAYER_FIELDS.items():
+            array = fetch(f"layers.{i}.{field}", is_norm)
+            array = array.T if transpose else array
+            if is_norm:
+                array = array + norm_offset
+            _check(f"layers.{i}.{field}", array, shapes[field])
+            layer[field] = cast(array)
+        layers.append(layer)
+    return {"embed": cast(embed), "final_norm": cast(final_norm), "layers": layers}
+
+
+# -- Hugging Face layout ----------------------------------------------------------
+
+_HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any) -> dict[str, Any]:
+    """Parameters from Hugging Face tensor names (Gemma 3 text); ``tensors`` maps
+    names to numpy arrays (or anything ``np.asarray`` accepts)."""
+    stripped: dict[str, Any] = {}
+    for name, value in tensors.items():
+        for prefix in _HF_PREFIXES:
+            if name.startswith(prefix):
+                stripped[name[len(prefix) :]] = value
+                break
+
+    def fetch(path: str, _norm: bool) -> np.ndarray[Any, Any]:
+        if path == "embed":
+            hf = "embed_tokens.weight"
+        elif path == "final_norm":
+            hf = "norm.weight"
+        else:
+            _, index, field = path.split(".")
+            hf = f"layers.{index}.{_LAYER_FIELDS[field][0]}"
+        if hf not in stripped:
+            raise WeightsError(f"checkpoint has no tensor for {hf!r}")
+        return np.asarray(stripped[hf], dtype=np.float32)
+
+    return _build(cfg, fetch, norm_offset=1.0, dtype=dtype)
+
+
+def load_hf_directory(path: Path, dtype: Any) -> tuple[ModelConfig, dict[str, Any]]:
+    """A checkpoint directory: config.json and one or more *.safetensors files."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise WeightsError(f"{path}: no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise WeightsError(f"{config_file}: not valid JSON ({exc})") from None
+    cfg = from_hf_config(raw, name=path.name)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{path}: no *.safetensors files")
+    tensors: dict[str, Any] = {}
+    for file in files:
+        tensors.update(read_safetensors(file))
+    return cfg, params_from_hf(cfg, tensors, dtype)
+
+
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def read_safetensors(file: Path) -> dict[str, np.ndarray[Any, Any]]:
+    """Tensors of one .safetensors file as float arrays (bf16 widened to f32).
+
+    The format is an 8-byte header length, a JSON header, then raw data; it is
+    read over mmap so only the tensors used are paged in.
+    """
+    import mmap
+    import struct
+
+    try:
+        with open(file, "rb") as handle:
+            data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise WeightsError(f"{file}: cannot read ({exc})") from None
+    try:
+        (header_len,) = struct.unpack_from("<Q", data, 0)
+        header = json.loads(data[8 : 8 + header_len])
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError):
+        raise WeightsError(f"{file}: not a safetensors file (bad header)") from None
+    base = 8 + header_len
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise WeightsError(f"{file}: tensor {name} has unsupported dtype {info.get('dtype')}")
+        start, end = info["data_offsets"]
+        if base + end > len(data):
+            raise WeightsError(f"{file}: truncated: tensor {name} runs past the end of the file")
+        array = np.frombuffer(data, dtype, (end - start) // np.dtype(dtype).itemsize, base + start)
+        if info["dtype"] == "BF16":
+            array = (array.astype(np.uint32) << 16).view(np.float32)
+        out[name] = array.reshape(info["shape"])
+    return out
+
+
+# -- GGUF --------------------------------------------------------------------------
+
+
+def config_from_gguf(gguf: GGUFFile, name: str) -> ModelConfig:
+    """A Gemma 3 config from GGUF metadata; what the file lacks (the local RoPE
+    base, the layer pattern, the query scale) comes from Gemma 3's definition."""
+    meta = gguf.metadata
+    arch = meta.get("general.architecture")
+    if arch != "gemma3":
+        raise ConfigError(f"{gguf.path}: architecture {arch!r} is not supported (gemma3 is)")
+    try:
+        layers = int(meta["gemma3.block_count"])
+        head_dim = int(meta["gemma3.attention.key_length"])
+        vocab = len(meta["tokenizer.ggml.tokens"])
+        return ModelConfig(
+            name=name,
+            family="gemma3",
+            vocab_size=vocab,
+            hidden_size=int(meta["gemma3.embedding_length"]),
+            intermediate_size=int(meta["gemma3.feed_forward_length"]),
+            num_heads=int(meta["gemma3.attention.head_count"]),
+            num_kv_heads=int(meta["gemma3.attention.head_count_kv"]),
+            head_dim=head_dim,
+            layer_kinds=interleaved_kinds(layers, 6),
+            sliding_window=int(meta["gemma3.attention.sliding_window"]),
+            max_position=int(meta.get("gemma3.context_length", 32_768)),
+            rope_global_theta=float(meta.get("gemma3.rope.freq_base", 1e6)),
+            rope_global_scale=float(meta.get("gemma3.rope.scaling.factor", 1.0)),
+            query_pre_attn_scalar=float(head_dim),
+            rms_eps=float(meta.get("gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
+            bos_id=int(meta.get("tokenizer.ggml.bos_token_id", 2)),
+            eos_id=int(meta.get("tokenizer.ggml.eos_token_id", 1)),
+            pad_id=int(meta.get("tokenizer.ggml.padding_token_id", 0)),
+        )
+    except KeyError as exc:
+        raise ConfigError(f"{gguf.path}: metadata lacks {exc.args[0]!r}") from None
+
+
+def params_from_gguf(cfg: ModelConfig, gguf: GGUFFile, dtype: Any) -> dict[str, Any]:
+    def fetch(path: str, _norm: bool) -> np.ndarray[Any, Any]:
+        if path == "embed":
+            name = "token_embd.weight"
+        elif path == "final_norm":
+            name = "output_norm.weight"
+        else:
+            _, index, field = path.split(".")
+            name = f"blk.{index}.{_LAYER_FIELDS[field][1]}"
+        try:
+            return gguf.load(name, np.float32)
+        except GGUFError as exc:
+            raise WeightsError(str(exc)) from None
+
+    return _build(cfg, fetch, norm_offset=0.0, dtype=dtype)
