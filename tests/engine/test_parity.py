@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvd.engine.batching import bucket, build_step_batch, powers_of_two
 from kvd.engine.model import EngineSpec, forward
-from kvd.engine.runner import ModelRunner, powers_of_two
 from kvd.kv import BudgetMode, KVManager, TenantBudget, build_layout
 from tests.engine.conftest import TinyModel, hf_logits
 
@@ -19,29 +19,25 @@ TOL = 1e-4
 
 
 class Harness:
+    """The real KV manager and forward pass, asking for every token's logits."""
+
     def __init__(self, model: TinyModel, pages: int = 256) -> None:
-        layout = build_layout(model.config.kv_geometry("float32"), BLOCK)
-        self.kv = KVManager(layout, pages, mode=BudgetMode.FREE)
+        self.layout = build_layout(model.config.kv_geometry("float32"), BLOCK)
+        self.kv = KVManager(self.layout, pages, mode=BudgetMode.FREE)
         self.kv.set_tenant("t", TenantBudget())
-        self.spec = EngineSpec.build(model.config, layout)
-        self.runner = ModelRunner(
-            self.spec,
-            jax.device_put(model.params),
-            layout,
-            pages,
-            jnp.float32,
-            token_buckets=powers_of_two(8, 256),
-            seq_buckets=powers_of_two(1, 16),
-            block_buckets=powers_of_two(4, 64),
-        )
-        self._all = jax.jit(lambda p, pool, b: forward(self.spec, p, pool, b))
+        spec = EngineSpec.build(model.config, self.layout)
+        self.params = jax.device_put(model.params)
+        self.pool = jnp.zeros((pages, self.layout.page_bytes // 4), jnp.float32)
+        self._forward = jax.jit(lambda p, pool, b: forward(spec, p, pool, b))
 
     def run_all_logits(self, work: list[tuple[Any, int]]) -> np.ndarray[Any, Any]:
         """Logits of every scheduled token (not only the last of each sequence)."""
-        batch, _ = self.runner.build(work)
         total = sum(n for _, n in work)
-        batch = batch._replace(sample_index=jnp.arange(batch.tokens.shape[0], dtype=jnp.int32))
-        logits, self.runner.pool = self._all(self.runner.params, self.runner.pool, batch)
+        tokens = bucket(total, powers_of_two(8, 256))
+        width = bucket(max(seq.num_blocks for seq, _ in work), powers_of_two(4, 64))
+        batch = build_step_batch(work, self.layout, tokens, tokens, width)
+        batch = batch._replace(sample_index=jnp.arange(tokens, dtype=jnp.int32))
+        logits, self.pool = self._forward(self.params, self.pool, batch)
         for seq, n in work:
             self.kv.commit(seq, n)
         return np.asarray(logits[:total])
