@@ -25,6 +25,81 @@ def serve(config: str | None) -> None:
     )
 
 
+@cli.command()
+@click.option(
+    "--model",
+    default="gemma3-270m",
+    show_default=True,
+    help="gemma3-270m (embedded), a .gguf file or a checkpoint directory.",
+)
+@click.option("--prompt", help="The prompt text.")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), help="Read the prompt from a file.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in Gemma's chat turn format.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="0 is greedy.",
+)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, help="0 is off.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0)
+@click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), help="Reproducible sampling.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="Weights and compute dtype.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def generate(
+    model: str,
+    prompt: str | None,
+    prompt_file: str | None,
+    chat: bool,
+    max_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    dtype: str,
+    as_json: bool,
+) -> None:
+    """Continue one prompt and print the result (a one-shot check of the engine)."""
+    from kvd.engine.generate import GenerateError, generate_once
+
+    if (prompt is None) == (prompt_file is None):
+        fail("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        try:
+            with open(prompt_file, encoding="utf-8") as handle:
+                prompt = handle.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"cannot read prompt file {prompt_file}: {exc}")
+    assert prompt is not None
+    try:
+        result = generate_once(
+            model,
+            prompt,
+            chat=chat,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            dtype=dtype,
+            progress=lambda text: click.echo(text, err=True),
+        )
+    except GenerateError as exc:
+        fail(str(exc), code=exc.exit_code)
+    if as_json:
+        click.echo(msgspec.json.encode(result).decode())
+    else:
+        click.echo(result.text)
+
+
 @cli.group()
 def bench() -> None:
     """Benchmarks that print figures for this machine."""

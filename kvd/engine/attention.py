@@ -21,7 +21,7 @@ def paged_attention(
     positions: jax.Array,  # [T] position of each token
     *,
     scale: float,
-    window: int | None,
+    window: jax.Array | int | None,
     softcap: float | None,
 ) -> jax.Array:
     num_tokens, num_heads, head_dim = q.shape
@@ -38,7 +38,7 @@ def paged_attention(
     key_pos = jnp.arange(pages.shape[1] * block_size)[None, :]  # [1, W*L]
     query_pos = positions[:, None]  # [T, 1]
     visible = key_pos <= query_pos
-    if window is not None:
+    if window is not None:  # may be traced: global layers pass a huge window
         visible &= key_pos > query_pos - window
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvd.engine.batching import bucket, build_step_batch, powers_of_two
 from kvd.engine.loader import LoadedModel
-from kvd.engine.model import EngineSpec, Params, StepBatch, forward
+from kvd.engine.model import EngineSpec, Params, StepBatch, body, head, prepare_params
 from kvd.engine.sampling import MAX_STOP_IDS, SamplingBatch, SamplingParams, sample
 from kvd.kv.layout import build_layout
 from kvd.kv.ledger import BudgetMode, TenantBudget
@@ -41,18 +41,27 @@ class EngineConfig(msgspec.Struct, frozen=True):
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     pool_tokens: int = 65_536  # KV capacity, in tokens of a global layer group
+    # Run same-shaped layers as one lax.scan: compiles several times faster,
+    # but on XLA:CPU runs ~1.5x slower (the stacked weights are sliced per layer).
+    scan_layers: bool = False
 
 
 class EngineError(ValueError):
     pass
 
 
-def step_and_sample(
-    spec: EngineSpec, params: Params, pool: jax.Array, batch: StepBatch, sampling: SamplingBatch
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    logits, pool = forward(spec, params, pool, batch)
-    tokens, logprobs, stopped = sample(logits, sampling)
-    return tokens, logprobs, stopped, pool
+def run_body(
+    spec: EngineSpec, params: Params, pool: jax.Array, batch: StepBatch
+) -> tuple[jax.Array, jax.Array]:
+    """The decoder stack; returns the hidden states of the rows to sample, ``[S_max, D]``."""
+    hidden, pool = body(spec, params, pool, batch)
+    return hidden[batch.sample_index], pool
+
+
+def head_and_sample(
+    spec: EngineSpec, params: Params, rows: jax.Array, sampling: SamplingBatch
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return sample(head(spec, params, rows), sampling)
 
 
 @dataclass
@@ -81,55 +90,63 @@ class Engine:
         self.kv = KVManager(self.layout, pages, mode=BudgetMode.FREE)
         self.kv.set_tenant(self.TENANT, TenantBudget())
         self.spec = EngineSpec.build(model.config, self.layout)
-        self.params = jax.device_put(model.params)
+        self.params = jax.device_put(
+            prepare_params(self.spec, model.params) if cfg.scan_layers else model.params
+        )
         elements = self.layout.page_bytes // jnp.dtype(kv_dtype).itemsize
         self.pool = jnp.zeros((pages, elements), jnp.dtype(kv_dtype))
         max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
-        self.token_buckets = powers_of_two(16, max(16, cfg.max_num_batched_tokens))
+        # Shapes: the body compiles per (tokens, block-table width); the head and
+        # sampling per number of sequences, so a lone decode pays for one row of
+        # logits, not for the widest batch.
+        # (XLA:CPU runs a 1-token decoder step ~7x slower than a 2-token one: no bucket of 1.)
+        self.token_buckets = powers_of_two(4, max(4, cfg.max_num_batched_tokens))
+        self.seq_buckets = powers_of_two(1, cfg.max_num_seqs)
         self.block_buckets = tuple(
             sorted({max(1, max_blocks // 16), max(1, max_blocks // 4), max_blocks})
         )
-        self._step = jax.jit(partial(step_and_sample, self.spec), donate_argnums=(1,))
+        self._body = jax.jit(partial(run_body, self.spec), donate_argnums=(1,))
+        self._head = jax.jit(partial(head_and_sample, self.spec))
         self._next_id = 0
 
     # -- shapes ----------------------------------------------------------------------
-
-    def seqs_for(self, tokens_bucket: int) -> int:
-        return min(tokens_bucket, self.config.max_num_seqs)
 
     def shape_buckets(self) -> list[tuple[int, int]]:
         return [(t, w) for t in self.token_buckets for w in self.block_buckets]
 
     def compiled_shapes(self) -> int:
         """How many programs the step has compiled (a recompile shows up here)."""
-        return int(self._step._cache_size())
+        return int(self._body._cache_size()) + int(self._head._cache_size())
 
     def warm_up(self, progress: Progress | None = None) -> float:
         """Compile every bucket before serving; returns seconds spent."""
         start = time.perf_counter()
         shapes = self.shape_buckets()
+        total = len(shapes) + len(self.seq_buckets)
+        rows_max = self.config.max_num_seqs
+        rows = jnp.zeros((rows_max, self.model.config.hidden_size), self.params["embed"].dtype)
         for done, (tokens, width) in enumerate(shapes, 1):
-            batch, sampling = self._empty_batch(tokens, width)
-            out = self._step(self.params, self.pool, batch, sampling)
-            self.pool = out[3]
-            jax.block_until_ready(out[0])
+            rows, self.pool = self._body(self.params, self.pool, self._empty_batch(tokens, width))
+            jax.block_until_ready(rows)
             if progress is not None:
-                progress(done, len(shapes), f"tokens={tokens} blocks={width}")
+                progress(done, total, f"decoder: {tokens} tokens, {width} blocks")
+        for done, seqs in enumerate(self.seq_buckets, len(shapes) + 1):
+            jax.block_until_ready(self._head(self.params, rows[:seqs], _sampling_arrays([], seqs)))
+            if progress is not None:
+                progress(done, total, f"head and sampling: {seqs} sequences")
         return time.perf_counter() - start
 
-    def _empty_batch(self, tokens: int, width: int) -> tuple[StepBatch, SamplingBatch]:
-        seqs = self.seqs_for(tokens)
+    def _empty_batch(self, tokens: int, width: int) -> StepBatch:
         zeros_t = jnp.zeros(tokens, jnp.int32)
-        batch = StepBatch(
+        return StepBatch(
             tokens=zeros_t,
             positions=zeros_t,
             seq_index=zeros_t,
             write_pages=jnp.zeros((self.layout.num_groups, tokens), jnp.int32),
             write_offsets=zeros_t,
-            tables=jnp.zeros((self.layout.num_groups, seqs, width), jnp.int32),
-            sample_index=jnp.zeros(seqs, jnp.int32),
+            tables=jnp.zeros((self.layout.num_groups, self.config.max_num_seqs, width), jnp.int32),
+            sample_index=jnp.zeros(self.config.max_num_seqs, jnp.int32),
         )
-        return batch, _sampling_arrays([], seqs)
 
     # -- one step ------------------------------------------------------------------------
 
@@ -139,16 +156,23 @@ class Engine:
         """Compute the scheduled tokens (pages already allocated), commit them to
         the KV manager, and return sampled (tokens, logprobs, stopped) per entry."""
         total = sum(n for _, n, _ in work)
+        if len(work) > self.config.max_num_seqs:
+            raise EngineError(
+                f"{len(work)} sequences exceed max_num_seqs {self.config.max_num_seqs}"
+            )
         tokens_bucket = bucket(total, self.token_buckets)
-        seqs = self.seqs_for(tokens_bucket)
-        if len(work) > seqs:
-            raise EngineError(f"{len(work)} sequences exceed the step's {seqs}")
+        seqs = bucket(len(work), self.seq_buckets)
         width = bucket(max(seq.num_blocks for seq, _, _ in work), self.block_buckets)
         batch = build_step_batch(
-            [(seq, n) for seq, n, _ in work], self.layout, tokens_bucket, seqs, width
+            [(seq, n) for seq, n, _ in work],
+            self.layout,
+            tokens_bucket,
+            self.config.max_num_seqs,
+            width,
         )
         sampling = _sampling_arrays([(p, seq.num_computed + n) for seq, n, p in work], seqs)
-        tokens, logprobs, stopped, self.pool = self._step(self.params, self.pool, batch, sampling)
+        rows, self.pool = self._body(self.params, self.pool, batch)
+        tokens, logprobs, stopped = self._head(self.params, rows[:seqs], sampling)
         for seq, n, _ in work:
             self.kv.commit(seq, n)
         count = len(work)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import msgspec
+import numpy as np
 
 from kvd.engine.attention import paged_attention
 from kvd.engine.config import ModelConfig
@@ -54,6 +55,37 @@ class EngineSpec(msgspec.Struct, frozen=True):
         places = tuple(layout.group_of_layer(i) for i in range(config.num_layers))
         return cls(config, layout.block_size, places, tuple(g.slots for g in layout.groups))
 
+    @property
+    def uniform(self) -> bool:
+        """Every layer has the same shapes (Gemma 3): the layers run as one
+        ``lax.scan`` over stacked weights, compiled once instead of unrolled."""
+        cfg = self.config
+        kinds = set(cfg.layer_kinds)
+        return (
+            len({(cfg.kv_heads_of(k), cfg.head_dim_of(k)) for k in kinds}) == 1
+            and len(set(self.group_slots)) == 1
+            and not cfg.layer_scalar
+        )
+
+
+def prepare_params(spec: EngineSpec, params: Params) -> Params:
+    """Stack per-layer weights ``[L, ...]`` when the layers can be scanned
+    (``body`` then runs them as one ``lax.scan``)."""
+    if not spec.uniform:
+        return params
+    layers = params["layers"]
+    stack = {name: np.stack([layer[name] for layer in layers]) for name in layers[0]}
+    return {"embed": params["embed"], "final_norm": params["final_norm"], "stack": stack}
+
+
+class _LayerPlace(NamedTuple):
+    """Where a layer's KV lives and how it attends (ints, or traced in a scan)."""
+
+    group: Any
+    slot: Any
+    window: Any  # tokens; the global layers get one longer than any sequence
+    is_global: Any
+
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMS norm in f32 (as Gemma does), cast back; ``scale`` is the direct multiplier."""
@@ -86,14 +118,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def _attention_block(
     spec: EngineSpec,
-    layer: int,
+    kind: AttentionKind,
+    place: _LayerPlace,
     p: Params,
     x: jax.Array,  # [T, D] normed input
     pool: jax.Array,
     batch: StepBatch,
+    ropes: dict[AttentionKind, tuple[jax.Array, jax.Array]],
 ) -> tuple[jax.Array, jax.Array]:
     cfg = spec.config
-    kind = cfg.layer_kinds[layer]
     n_kv, head_dim = cfg.kv_heads_of(kind), cfg.head_dim_of(kind)
     num_tokens = x.shape[0]
     q = (x @ p["q"]).reshape(num_tokens, cfg.num_heads, head_dim)  # [T, N, H]
@@ -103,58 +136,130 @@ def _attention_block(
     k = rms_norm(k, p["k_norm"], cfg.rms_eps)
     if cfg.value_norm:
         v = rms_norm(v, jnp.ones((head_dim,), v.dtype), cfg.rms_eps)
-    sliding = kind is AttentionKind.SLIDING
-    theta = cfg.rope_local_theta if sliding else cfg.rope_global_theta
-    scale = 1.0 if sliding else cfg.rope_global_scale
-    partial = 1.0 if sliding else cfg.rope_global_partial
-    cos, sin = rope_tables(batch.positions, head_dim, theta, scale, partial, x.dtype)
+    if len(ropes) == 1:
+        cos, sin = next(iter(ropes.values()))
+    else:  # scanned layers choose their RoPE by a traced flag
+        cos_g, sin_g = ropes[AttentionKind.GLOBAL]
+        cos_s, sin_s = ropes[AttentionKind.SLIDING]
+        cos = jnp.where(place.is_global, cos_g, cos_s)
+        sin = jnp.where(place.is_global, sin_g, sin_s)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    group, slot = spec.layer_places[layer]
     num_pages = pool.shape[0]
-    view = pool.reshape(num_pages, spec.group_slots[group], 2, spec.block_size, n_kv, head_dim)
-    pages, offsets = batch.write_pages[group], batch.write_offsets
-    view = view.at[pages, slot, 0, offsets].set(k.astype(view.dtype))
-    view = view.at[pages, slot, 1, offsets].set(v.astype(view.dtype))
+    slots = spec.group_slots[0] if spec.uniform else spec.group_slots[place.group]
+    view = pool.reshape(num_pages, slots, 2, spec.block_size, n_kv, head_dim)
+    pages, offsets = batch.write_pages[place.group], batch.write_offsets
+    view = view.at[pages, place.slot, 0, offsets].set(k.astype(view.dtype))
+    view = view.at[pages, place.slot, 1, offsets].set(v.astype(view.dtype))
     out = paged_attention(
         q,
         view,
-        slot,
-        batch.tables[group],
+        place.slot,
+        batch.tables[place.group],
         batch.seq_index,
         batch.positions,
         scale=cfg.query_scale,
-        window=cfg.sliding_window if sliding else None,
+        window=place.window,
         softcap=cfg.attn_logit_softcap,
     )  # [T, N, H]
     return out.reshape(num_tokens, -1) @ p["o"], view.reshape(pool.shape)
 
 
-def forward(
+def _rope_for(
+    cfg: ModelConfig, kind: AttentionKind, positions: jax.Array, dtype: Any
+) -> tuple[jax.Array, jax.Array]:
+    if kind is AttentionKind.SLIDING:
+        return rope_tables(positions, cfg.head_dim_of(kind), cfg.rope_local_theta, 1.0, 1.0, dtype)
+    return rope_tables(
+        positions,
+        cfg.head_dim_of(kind),
+        cfg.rope_global_theta,
+        cfg.rope_global_scale,
+        cfg.rope_global_partial,
+        dtype,
+    )
+
+
+def _block(
+    spec: EngineSpec,
+    kind: AttentionKind,
+    place: _LayerPlace,
+    p: Params,
+    x: jax.Array,
+    pool: jax.Array,
+    batch: StepBatch,
+    ropes: dict[AttentionKind, tuple[jax.Array, jax.Array]],
+) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer: norms before and after attention and the MLP."""
+    eps = spec.config.rms_eps
+    h = rms_norm(x, p["attn_norm"], eps)
+    h, pool = _attention_block(spec, kind, place, p, h, pool, batch, ropes)
+    x = x + rms_norm(h, p["post_attn_norm"], eps)
+    h = rms_norm(x, p["pre_ffn_norm"], eps)
+    h = jax.nn.gelu(h @ p["gate"], approximate=True) * (h @ p["up"])  # [T, F]
+    x = x + rms_norm(h @ p["down"], p["post_ffn_norm"], eps)
+    if spec.config.layer_scalar:
+        x = x * p["layer_scalar"]
+    return x, pool
+
+
+_NO_WINDOW = 1 << 30  # longer than any sequence: a global layer's "window"
+
+
+def body(
     spec: EngineSpec, params: Params, pool: jax.Array, batch: StepBatch
 ) -> tuple[jax.Array, jax.Array]:
-    """Run one ragged step; returns (logits ``[S, V]`` in f32, the updated pool)."""
+    """The decoder stack over a ragged batch: (hidden states ``[T, D]``, updated pool)."""
     cfg = spec.config
     embed = params["embed"]  # [V, D]
     dtype = embed.dtype
     x = embed[batch.tokens] * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)  # [T, D]
-    for layer in range(cfg.num_layers):
-        p = params["layers"][layer]
-        residual = x
-        h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
-        h, pool = _attention_block(spec, layer, p, h, pool, batch)
-        h = rms_norm(h, p["post_attn_norm"], cfg.rms_eps)
-        x = residual + h
-        residual = x
-        h = rms_norm(x, p["pre_ffn_norm"], cfg.rms_eps)
-        h = jax.nn.gelu(h @ p["gate"], approximate=True) * (h @ p["up"])  # [T, F]
-        h = rms_norm(h @ p["down"], p["post_ffn_norm"], cfg.rms_eps)
-        x = residual + h
-        if cfg.layer_scalar:
-            x = x * p["layer_scalar"]
-    last = rms_norm(x[batch.sample_index], params["final_norm"], cfg.rms_eps)  # [S, D]
-    logits = (last @ embed.T).astype(jnp.float32)  # [S, V]
+    kinds = sorted(set(cfg.layer_kinds))
+    ropes = {k: _rope_for(cfg, k, batch.positions, dtype) for k in kinds}
+    windows = [
+        cfg.sliding_window if kind is AttentionKind.SLIDING else _NO_WINDOW
+        for kind in cfg.layer_kinds
+    ]
+    if "stack" in params:
+        places = _LayerPlace(
+            group=jnp.asarray([g for g, _ in spec.layer_places], jnp.int32),
+            slot=jnp.asarray([s for _, s in spec.layer_places], jnp.int32),
+            window=jnp.asarray(windows, jnp.int32),
+            is_global=jnp.asarray([k is AttentionKind.GLOBAL for k in cfg.layer_kinds]),
+        )
+        kind = cfg.layer_kinds[0]  # shapes are the same for every layer
+
+        def one_layer(
+            carry: tuple[jax.Array, jax.Array], layer: tuple[Params, _LayerPlace]
+        ) -> tuple[tuple[jax.Array, jax.Array], None]:
+            p, place = layer
+            return _block(spec, kind, place, p, carry[0], carry[1], batch, ropes), None
+
+        (x, pool), _ = jax.lax.scan(one_layer, (x, pool), (params["stack"], places))
+        return x, pool
+    for layer, kind in enumerate(cfg.layer_kinds):
+        group, slot = spec.layer_places[layer]
+        place = _LayerPlace(group, slot, windows[layer], kind is AttentionKind.GLOBAL)
+        x, pool = _block(
+            spec, kind, place, params["layers"][layer], x, pool, batch, {kind: ropes[kind]}
+        )
+    return x, pool
+
+
+def head(spec: EngineSpec, params: Params, rows: jax.Array) -> jax.Array:
+    """Logits ``[S, V]`` (f32) for the hidden states of the tokens to sample."""
+    cfg = spec.config
+    last = rms_norm(rows, params["final_norm"], cfg.rms_eps)
+    logits = (last @ params["embed"].T).astype(jnp.float32)
     if cfg.final_logit_softcap is not None:
         cap = cfg.final_logit_softcap
         logits = jnp.tanh(logits / cap) * cap
-    return logits, pool
+    return logits
+
+
+def forward(
+    spec: EngineSpec, params: Params, pool: jax.Array, batch: StepBatch
+) -> tuple[jax.Array, jax.Array]:
+    """One ragged step: (logits ``[S, V]`` in f32, the updated pool)."""
+    hidden, pool = body(spec, params, pool, batch)
+    return head(spec, params, hidden[batch.sample_index]), pool

@@ -1,0 +1,96 @@
+"""``kvd generate``: load a model, continue one prompt, report what happened."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from kvd.engine.engine import Engine, EngineConfig, EngineError
+from kvd.engine.loader import ModelLoadError, load_model
+from kvd.engine.sampling import SamplingParams
+from kvd.engine.tokenizer import ChatMessage, TokenizerError
+
+
+class GenerateError(Exception):
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class GenerateResult(msgspec.Struct):
+    model: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float]
+    load_s: float
+    first_token_s: float | None
+    total_s: float
+
+
+def generate_once(
+    model: str,
+    prompt: str,
+    *,
+    chat: bool = False,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    dtype: str = "float32",
+    progress: Callable[[str], None] | None = None,
+) -> GenerateResult:
+    say = progress or (lambda _text: None)
+    say(f"loading {model} ({dtype})")
+    try:
+        loaded = load_model(model, dtype)
+    except ModelLoadError as exc:
+        raise GenerateError(str(exc), exit_code=1) from None
+    tokenizer = loaded.tokenizer
+    try:
+        ids = (
+            tokenizer.chat_prompt([ChatMessage("user", prompt)])
+            if chat
+            else tokenizer.encode(prompt)
+        )
+    except TokenizerError as exc:
+        raise GenerateError(str(exc), exit_code=2) from None
+    context = loaded.config.max_position
+    if len(ids) >= context:
+        raise GenerateError(
+            f"the prompt has {len(ids)} tokens; {loaded.config.name}'s context is {context} "
+            "tokens (at least one must be left to generate)",
+            exit_code=2,
+        )
+    config = EngineConfig(
+        dtype=dtype,
+        max_model_len=context,
+        max_num_seqs=1,
+        max_num_batched_tokens=512,
+        pool_tokens=min(context, len(ids) + max_tokens) + 16,
+    )
+    say(f"loaded in {loaded.load_seconds:.1f}s; compiling and running")
+    try:
+        engine = Engine(loaded, config)
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens
+        )
+        start = time.perf_counter()
+        (result,) = engine.generate([ids], [params])
+    except (EngineError, ValueError) as exc:
+        raise GenerateError(str(exc), exit_code=2) from None
+    return GenerateResult(
+        model=loaded.config.name,
+        prompt_ids=ids,
+        completion_ids=result.completion_ids,
+        text=tokenizer.decode(result.completion_ids),
+        finish_reason=result.finish_reason,
+        logprobs=result.logprobs,
+        load_s=loaded.load_seconds,
+        first_token_s=result.first_token_s,
+        total_s=time.perf_counter() - start,
+    )
