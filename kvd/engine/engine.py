@@ -61,6 +61,8 @@ def run_body(
 def head_and_sample(
     spec: EngineSpec, params: Params, rows: jax.Array, sampling: SamplingBatch
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logits and sampling for the first S rows (S = the sampling arrays' length)."""
+    rows = rows[: sampling.temperature.shape[0]]  # [S, D]
     return sample(head(spec, params, rows), sampling)
 
 
@@ -74,10 +76,20 @@ class Generation:
     first_token_s: float | None = None
 
 
+def enable_compilation_cache() -> None:
+    """Keep compiled programs on disk, so a restart does not compile again."""
+    from kvd.engine.loader import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 class Engine:
     TENANT = "local"
 
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+        enable_compilation_cache()
         self.model = model
         self.config = cfg = config or EngineConfig()
         if cfg.max_model_len > model.config.max_position:
@@ -107,6 +119,10 @@ class Engine:
         )
         self._body = jax.jit(partial(run_body, self.spec), donate_argnums=(1,))
         self._head = jax.jit(partial(head_and_sample, self.spec))
+        # Compiled executables by shape key; warm-up fills them ahead of time.
+        self._programs: dict[tuple[str, int, int], Any] = {}
+        self.late_compiles = 0  # programs compiled after warm_up(): a bucketing bug
+        self._warm = False
         self._next_id = 0
 
     # -- shapes ----------------------------------------------------------------------
@@ -115,25 +131,39 @@ class Engine:
         return [(t, w) for t in self.token_buckets for w in self.block_buckets]
 
     def compiled_shapes(self) -> int:
-        """How many programs the step has compiled (a recompile shows up here)."""
-        return int(self._body._cache_size()) + int(self._head._cache_size())
+        """How many programs exist (a compile after warm-up shows up here and in
+        ``late_compiles``)."""
+        return len(self._programs)
+
+    def _program(self, key: tuple[str, int, int], jitted: Any, *args: Any) -> Any:
+        program = self._programs.get(key)
+        if program is None:
+            # Ahead-of-time: compile without running (the persistent cache makes
+            # this a disk read on a restart).
+            program = jitted.lower(*args).compile()
+            self._programs[key] = program
+            if self._warm:
+                self.late_compiles += 1
+        return program
 
     def warm_up(self, progress: Progress | None = None) -> float:
         """Compile every bucket before serving; returns seconds spent."""
         start = time.perf_counter()
         shapes = self.shape_buckets()
         total = len(shapes) + len(self.seq_buckets)
-        rows_max = self.config.max_num_seqs
-        rows = jnp.zeros((rows_max, self.model.config.hidden_size), self.params["embed"].dtype)
+        hidden = self.model.config.hidden_size
+        rows = jax.ShapeDtypeStruct((self.config.max_num_seqs, hidden), self.params["embed"].dtype)
         for done, (tokens, width) in enumerate(shapes, 1):
-            rows, self.pool = self._body(self.params, self.pool, self._empty_batch(tokens, width))
-            jax.block_until_ready(rows)
+            batch = self._empty_batch(tokens, width)
+            self._program(("body", tokens, width), self._body, self.params, self.pool, batch)
             if progress is not None:
                 progress(done, total, f"decoder: {tokens} tokens, {width} blocks")
         for done, seqs in enumerate(self.seq_buckets, len(shapes) + 1):
-            jax.block_until_ready(self._head(self.params, rows[:seqs], _sampling_arrays([], seqs)))
+            sampling = _sampling_arrays([], seqs)
+            self._program(("head", seqs, 0), self._head, self.params, rows, sampling)
             if progress is not None:
                 progress(done, total, f"head and sampling: {seqs} sequences")
+        self._warm = True
         return time.perf_counter() - start
 
     def _empty_batch(self, tokens: int, width: int) -> StepBatch:
@@ -171,8 +201,12 @@ class Engine:
             width,
         )
         sampling = _sampling_arrays([(p, seq.num_computed + n) for seq, n, p in work], seqs)
-        rows, self.pool = self._body(self.params, self.pool, batch)
-        tokens, logprobs, stopped = self._head(self.params, rows[:seqs], sampling)
+        body_program = self._program(
+            ("body", tokens_bucket, width), self._body, self.params, self.pool, batch
+        )
+        rows, self.pool = body_program(self.params, self.pool, batch)
+        head_program = self._program(("head", seqs, 0), self._head, self.params, rows, sampling)
+        tokens, logprobs, stopped = head_program(self.params, rows, sampling)
         for seq, n, _ in work:
             self.kv.commit(seq, n)
         count = len(work)

@@ -4,6 +4,7 @@ input turned into an error that names the problem."""
 from __future__ import annotations
 
 import json
+from copy import deepcopy
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +40,10 @@ def test_sharded_safetensors_directory(tiny3: TinyModel, tmp_path: Path) -> None
 
 def test_bfloat16_safetensors_are_widened(tiny3: TinyModel, tmp_path: Path) -> None:
     path = tmp_path / "bf16"
-    tiny3.hf.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    tiny3.hf.to(torch.float32)
+    copy = deepcopy(tiny3.hf).to(torch.bfloat16)  # the shared oracle stays f32
+    copy.save_pretrained(path, safe_serialization=True)
     _, params = load_hf_directory(path, np.float32)
-    state = {k: v.to(torch.bfloat16).float().numpy() for k, v in tiny3.hf.state_dict().items()}
+    state = {k: v.float().numpy() for k, v in copy.state_dict().items()}
     _same(params, params_from_hf(tiny3.config, state, np.float32))
 
 

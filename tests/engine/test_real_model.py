@@ -129,6 +129,7 @@ def test_no_compilation_after_warm_up(engine: Engine, model: LoadedModel) -> Non
     for count in (1, 3, 7):
         engine.generate(prompts[:count], params[:count])
     assert engine.compiled_shapes() == compiled
+    assert engine.late_compiles == 0
 
 
 def test_seeded_sampling_is_reproducible(engine: Engine, model: LoadedModel) -> None:
