@@ -134,6 +134,31 @@ def bench_kv(steps: int, running: str, model: str, block_size: int, as_json: boo
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("decode")
+@click.option("--batches", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--prompt-len", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
+@click.option("--no-baseline", is_flag=True, help="Skip the transformers baseline.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_decode(
+    batches: str, prompt_len: int, new_tokens: int, dtype: str, no_baseline: bool, as_json: bool
+) -> None:
+    """Decode throughput and TTFT of the embedded model, with transformers as the baseline."""
+    from kvd.bench.decode import render, run_decode_bench
+
+    try:
+        sizes = tuple(int(part) for part in batches.split(","))
+    except ValueError:
+        fail(f"--batches must be comma-separated integers, got {batches!r}")
+    if any(n < 1 for n in sizes):
+        fail("--batches sizes must be positive")
+    report = run_decode_bench(
+        sizes, prompt_len, new_tokens, dtype, not no_baseline, lambda t: click.echo(t, err=True)
+    )
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 def main() -> None:
     run(cli, "kvd")
 

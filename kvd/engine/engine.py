@@ -306,7 +306,9 @@ def _sampling_arrays(entries: list[tuple[SamplingParams, int]], rows: int) -> Sa
     seeds = np.zeros(rows, np.uint32)
     positions = np.zeros(rows, np.int32)
     stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
+    want_logprobs = np.zeros(rows, np.bool_)
     for row, (p, position) in enumerate(entries):
+        want_logprobs[row] = p.logprobs
         temperature[row] = p.temperature
         top_k[row] = p.top_k
         top_p[row] = p.top_p
@@ -320,4 +322,5 @@ def _sampling_arrays(entries: list[tuple[SamplingParams, int]], rows: int) -> Sa
         jnp.asarray(seeds),
         jnp.asarray(positions),
         jnp.asarray(stop_ids),
+        jnp.asarray(want_logprobs),
     )

@@ -77,7 +77,12 @@ def generate_once(
     try:
         engine = Engine(loaded, config)
         params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            max_tokens=max_tokens,
+            logprobs=True,
         )
         start = time.perf_counter()
         (result,) = engine.generate([ids], [params])

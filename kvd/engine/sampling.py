@@ -58,6 +58,7 @@ class SamplingBatch(NamedTuple):
     seeds: jax.Array  # [S] uint32
     positions: jax.Array  # [S] int32 position of the token being sampled
     stop_ids: jax.Array  # [S, MAX_STOP_IDS] int32, -1 padding
+    want_logprobs: jax.Array  # [S] bool
 
 
 def sample(logits: jax.Array, params: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -73,9 +74,17 @@ def sample(logits: jax.Array, params: SamplingBatch) -> tuple[jax.Array, jax.Arr
         lambda: greedy,
         lambda: jnp.where(params.temperature == 0.0, greedy, _draw(logits, params)),
     )
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)
+    # The normaliser is a pass over the whole vocabulary: only when asked for.
+    logprobs = jax.lax.cond(
+        jnp.any(params.want_logprobs),
+        lambda: (
+            jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+            - jax.nn.logsumexp(logits, axis=-1)
+        ),
+        lambda: jnp.zeros(tokens.shape, logits.dtype),
+    )
     stopped = jnp.any(tokens[:, None] == params.stop_ids, axis=-1)
-    return tokens, logprobs[:, 0], stopped
+    return tokens, logprobs, stopped
 
 
 def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:

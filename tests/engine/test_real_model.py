@@ -134,7 +134,7 @@ def test_no_compilation_after_warm_up(engine: Engine, model: LoadedModel) -> Non
 
 def test_seeded_sampling_is_reproducible(engine: Engine, model: LoadedModel) -> None:
     prompt = model.tokenizer.encode("My favourite animal is the")
-    a = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12)
+    a = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, logprobs=True)
     b = SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=12)
     first, second, other = engine.generate([prompt] * 3, [a, a, b])
     assert first.completion_ids == second.completion_ids
@@ -143,7 +143,7 @@ def test_seeded_sampling_is_reproducible(engine: Engine, model: LoadedModel) -> 
     assert engine.generate([prompt], [top1])[0].completion_ids == (
         engine.generate([prompt], [greedy(12)])[0].completion_ids
     )
-    assert all(lp <= 0.0 for lp in first.logprobs)
+    assert all(lp <= 0.0 for lp in first.logprobs) and any(lp < 0.0 for lp in first.logprobs)
 
 
 CORPUS = [

@@ -1,0 +1,182 @@
+"""``kvd bench decode``: kvd's engine next to transformers, same workload, same run.
+
+Workload: ``batch`` prompts of ``prompt_len`` random tokens, greedy, exactly
+``new_tokens`` generated each. Reported per batch size: decode tokens/s
+(aggregate, after the first token), time to first token, and for kvd the
+fraction of this machine's GEMM roofline (f32 matmul measured in the same run)
+that the decode achieves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvd.bench.kv import machine_description
+
+
+class DecodeFigures(msgspec.Struct, frozen=True):
+    system: str
+    batch: int
+    ttft_s: float
+    decode_tokens_per_s: float
+    total_s: float
+
+
+class DecodeReport(msgspec.Struct, frozen=True):
+    machine: str
+    model: str
+    dtype: str
+    prompt_len: int
+    new_tokens: int
+    gemm_gflops: float
+    flops_per_token: float
+    warm_up_s: float
+    kvd: list[DecodeFigures]
+    transformers: list[DecodeFigures]
+    transformers_note: str | None = None
+
+
+def gemm_roofline(size: int = 2048, repeats: int = 5) -> float:
+    """f32 GEMM GFLOP/s of this machine (numpy, best of a few)."""
+    a = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((size, size), dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # Token ids from the ordinary text range (past the specials and byte tokens).
+    return [
+        [2, *rng.integers(1000, min(vocab, 200_000), length - 1).tolist()] for _ in range(batch)
+    ]
+
+
+def run_decode_bench(
+    batches: tuple[int, ...] = (1, 8, 32),
+    prompt_len: int = 128,
+    new_tokens: int = 64,
+    dtype: str = "float32",
+    baseline: bool = True,
+    say: Callable[[str], None] = lambda _text: None,
+) -> DecodeReport:
+    from kvd.engine.engine import Engine, EngineConfig
+    from kvd.engine.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model
+    from kvd.engine.sampling import SamplingParams
+
+    say("measuring the GEMM roofline")
+    roofline = gemm_roofline()
+    say(f"loading {EMBEDDED_MODEL}")
+    model = load_model(EMBEDDED_MODEL, dtype)
+    cfg = model.config
+    config = EngineConfig(
+        dtype=dtype,
+        max_model_len=prompt_len + new_tokens + 16,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=512,
+        pool_tokens=max(batches) * (prompt_len + new_tokens + 32),
+    )
+    engine = Engine(model, config)
+    say("compiling")
+    warm = engine.warm_up()
+    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    ours: list[DecodeFigures] = []
+    for batch in batches:
+        prompts = _prompts(batch, prompt_len, cfg.vocab_size, seed=batch)
+        engine.kv.flush_cache()
+        start = time.perf_counter()
+        results = engine.generate(prompts, [greedy] * batch)
+        total = time.perf_counter() - start
+        ttft = max(r.first_token_s or 0.0 for r in results)
+        produced = sum(len(r.completion_ids) - 1 for r in results)
+        ours.append(DecodeFigures("kvd", batch, ttft, produced / (total - ttft), total))
+        say(f"kvd batch {batch}: {ours[-1].decode_tokens_per_s:.1f} tok/s")
+    theirs: list[DecodeFigures] = []
+    note = None
+    if baseline:
+        try:
+            theirs = _transformers_baseline(
+                embedded_gguf_path(), batches, prompt_len, new_tokens, cfg.vocab_size, say
+            )
+        except ImportError:
+            note = "transformers is not installed (pip install 'kvd[test]'): no baseline"
+    params = sum(np.prod(a.shape) for layer in model.params["layers"] for a in layer.values())
+    flops_per_token = 2.0 * (params + cfg.vocab_size * cfg.hidden_size)
+    return DecodeReport(
+        machine=machine_description(),
+        model=EMBEDDED_MODEL,
+        dtype=dtype,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        gemm_gflops=roofline,
+        flops_per_token=flops_per_token,
+        warm_up_s=warm,
+        kvd=ours,
+        transformers=theirs,
+        transformers_note=note,
+    )
+
+
+def _transformers_baseline(
+    gguf: Any,
+    batches: tuple[int, ...],
+    prompt_len: int,
+    new_tokens: int,
+    vocab: int,
+    say: Callable[[str], None],
+) -> list[DecodeFigures]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    say("loading the transformers baseline (f32)")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
+    ).eval()
+    figures = []
+    for batch in batches:
+        ids = torch.tensor(_prompts(batch, prompt_len, vocab, seed=batch))
+        with torch.no_grad():
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            ttft = time.perf_counter() - start
+            start = time.perf_counter()
+            model.generate(
+                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
+            total = time.perf_counter() - start
+        rate = batch * (new_tokens - 1) / max(total - ttft, 1e-9)
+        figures.append(DecodeFigures("transformers", batch, ttft, rate, total))
+        say(f"transformers batch {batch}: {rate:.1f} tok/s")
+    return figures
+
+
+def render(report: DecodeReport) -> str:
+    lines = [
+        f"kvd bench decode: {report.model} ({report.dtype}), prompt {report.prompt_len}, "
+        f"{report.new_tokens} new tokens, greedy",
+        f"machine: {report.machine}; f32 GEMM roofline {report.gemm_gflops:.1f} GFLOP/s; "
+        f"kvd warm-up {report.warm_up_s:.1f}s",
+        "",
+        f"{'system':<13} {'batch':>5} {'decode tok/s':>13} {'TTFT s':>8} {'total s':>8} "
+        f"{'vs HF b1':>9} {'roofline':>9}",
+    ]
+    base = next((f for f in report.transformers if f.batch == 1), None)
+    for f in [*report.kvd, *report.transformers]:
+        ratio = f"{f.decode_tokens_per_s / base.decode_tokens_per_s:.1f}x" if base else "-"
+        achieved = f.decode_tokens_per_s * report.flops_per_token / 1e9 / report.gemm_gflops
+        lines.append(
+            f"{f.system:<13} {f.batch:>5} {f.decode_tokens_per_s:>13.1f} {f.ttft_s:>8.2f} "
+            f"{f.total_s:>8.2f} {ratio:>9} {achieved:>8.1%}"
+        )
+    if report.transformers_note:
+        lines.append(report.transformers_note)
+    return "\n".join(lines)
