@@ -146,51 +146,112 @@ def preset(name: str) -> ModelConfig:
 
 
 def from_hf_config(raw: dict[str, Any], name: str = "checkpoint") -> ModelConfig:
-    """A ModelConfig from a Hugging Face ``config.json`` (Gemma 3 text)."""
+    """A ModelConfig from a Hugging Face ``config.json`` (Gemma 3 or Gemma 4 text)."""
     text = raw.get("text_config", raw)
     model_type = text.get("model_type", "")
-    if model_type not in ("gemma3_text", "gemma3"):
-        raise ConfigError(f"unsupported model_type {model_type!r} (kvd runs gemma3_text)")
     try:
-        layers = int(text["num_hidden_layers"])
-        layer_types = text.get("layer_types") or [
-            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)
-        ]
-        rope = text.get("rope_parameters") or {}
-        full_rope = rope.get("full_attention", {})
-        local_rope = rope.get("sliding_attention", {})
-        scaling = text.get("rope_scaling") or {}
-        scale = float(full_rope.get("factor", scaling.get("factor", 1.0)) or 1.0)
-        return ModelConfig(
-            name=name,
-            family="gemma3",
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=int(text["hidden_size"]),
-            intermediate_size=int(text["intermediate_size"]),
-            num_heads=int(text["num_attention_heads"]),
-            num_kv_heads=int(text["num_key_value_heads"]),
-            head_dim=int(text["head_dim"]),
-            layer_kinds=tuple(
-                AttentionKind.SLIDING if t == "sliding_attention" else AttentionKind.GLOBAL
-                for t in layer_types
-            ),
-            sliding_window=int(text["sliding_window"]),
-            max_position=int(text.get("max_position_embeddings", 131_072)),
-            rope_local_theta=float(
-                local_rope.get("rope_theta", text.get("rope_local_base_freq", 10_000.0))
-            ),
-            rope_global_theta=float(full_rope.get("rope_theta", text.get("rope_theta", 1e6))),
-            rope_global_scale=scale,
-            query_pre_attn_scalar=float(text.get("query_pre_attn_scalar", text["head_dim"])),
-            rms_eps=float(text.get("rms_norm_eps", 1e-6)),
-            final_logit_softcap=text.get("final_logit_softcapping"),
-            attn_logit_softcap=text.get("attn_logit_softcapping"),
-            bos_id=int(text.get("bos_token_id", 2) or 2),
-            eos_id=_first(text.get("eos_token_id", 1)),
-            pad_id=int(text.get("pad_token_id", 0) or 0),
-        )
+        if model_type in ("gemma3_text", "gemma3"):
+            return _gemma3_from_hf(text, name)
+        if model_type in ("gemma4_text", "gemma4"):
+            return _gemma4_from_hf(text, name)
     except KeyError as exc:
         raise ConfigError(f"config.json lacks {exc.args[0]!r}") from None
+    raise ConfigError(f"unsupported model_type {model_type!r} (kvd runs gemma3_text, gemma4_text)")
+
+
+def _layer_kinds(text: dict[str, Any]) -> tuple[AttentionKind, ...]:
+    layers = int(text["num_hidden_layers"])
+    layer_types = text.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)
+    ]
+    return tuple(
+        AttentionKind.SLIDING if t == "sliding_attention" else AttentionKind.GLOBAL
+        for t in layer_types
+    )
+
+
+def _common(text: dict[str, Any], name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "vocab_size": int(text["vocab_size"]),
+        "hidden_size": int(text["hidden_size"]),
+        "intermediate_size": int(text["intermediate_size"]),
+        "num_heads": int(text["num_attention_heads"]),
+        "num_kv_heads": int(text["num_key_value_heads"]),
+        "head_dim": int(text["head_dim"]),
+        "layer_kinds": _layer_kinds(text),
+        "sliding_window": int(text["sliding_window"]),
+        "max_position": int(text.get("max_position_embeddings", 131_072)),
+        "rms_eps": float(text.get("rms_norm_eps", 1e-6)),
+        "final_logit_softcap": text.get("final_logit_softcapping"),
+        "bos_id": int(text.get("bos_token_id", 2) or 2),
+        "eos_id": _first(text.get("eos_token_id", 1)),
+        "pad_id": int(text.get("pad_token_id", 0) or 0),
+    }
+
+
+def _gemma3_from_hf(text: dict[str, Any], name: str) -> ModelConfig:
+    rope = text.get("rope_parameters") or {}
+    full_rope = rope.get("full_attention", {})
+    local_rope = rope.get("sliding_attention", {})
+    scaling = text.get("rope_scaling") or {}
+    return ModelConfig(
+        family="gemma3",
+        rope_local_theta=float(
+            local_rope.get("rope_theta", text.get("rope_local_base_freq", 10_000.0))
+        ),
+        rope_global_theta=float(full_rope.get("rope_theta", text.get("rope_theta", 1e6))),
+        rope_global_scale=float(full_rope.get("factor", scaling.get("factor", 1.0)) or 1.0),
+        query_pre_attn_scalar=float(text.get("query_pre_attn_scalar", text["head_dim"])),
+        attn_logit_softcap=text.get("attn_logit_softcapping"),
+        **_common(text, name),
+    )
+
+
+_GEMMA4_UNSUPPORTED = {
+    "hidden_size_per_layer_input": "per-layer embeddings",
+    "num_kv_shared_layers": "KV sharing between layers",
+    "enable_moe_block": "mixture-of-experts blocks",
+    "use_double_wide_mlp": "double-wide MLPs",
+    "use_bidirectional_attention": "bidirectional attention",
+}
+
+
+def _gemma4_from_hf(text: dict[str, Any], name: str) -> ModelConfig:
+    for key, what in _GEMMA4_UNSUPPORTED.items():
+        if text.get(key):
+            raise ConfigError(
+                f"this Gemma 4 checkpoint uses {what} ({key}), which kvd does not run"
+            )
+    rope = text.get("rope_parameters") or {}
+    full_rope = rope.get("full_attention", {})
+    local_rope = rope.get("sliding_attention", {})
+    common = _common(text, name)
+    overrides = [
+        dict(v)
+        for k, v in (text.get("per_layer_config") or {}).items()
+        if common["layer_kinds"][int(k)] is AttentionKind.GLOBAL
+    ]
+    global_head_dim = int(text.get("global_head_dim", 512))
+    global_kv = None
+    if overrides:
+        global_head_dim = int(overrides[0].get("head_dim", global_head_dim))
+        if "num_key_value_heads" in overrides[0]:
+            global_kv = int(overrides[0]["num_key_value_heads"])
+    return ModelConfig(
+        family="gemma4",
+        global_head_dim=global_head_dim,
+        global_num_kv_heads=global_kv,
+        rope_local_theta=float(local_rope.get("rope_theta", 10_000.0)),
+        rope_global_theta=float(full_rope.get("rope_theta", 1_000_000.0)),
+        rope_global_scale=float(full_rope.get("factor", 1.0) or 1.0),
+        rope_global_partial=float(full_rope.get("partial_rotary_factor", 1.0)),
+        query_pre_attn_scalar=None,
+        k_eq_v_global=bool(text.get("attention_k_eq_v", False)),
+        value_norm=True,
+        layer_scalar=True,
+        **common,
+    )
 
 
 def _first(value: int | list[int]) -> int:

@@ -20,14 +20,14 @@ import numpy as np
 
 from kvd.engine.config import ConfigError, ModelConfig, from_hf_config
 from kvd.engine.gguf import GGUFError, GGUFFile
-from kvd.kv.geometry import interleaved_kinds
+from kvd.kv.geometry import AttentionKind, interleaved_kinds
 
 
 class WeightsError(ValueError):
     """A checkpoint that does not fit its model; the message names the tensor."""
 
 
-_LAYER_FIELDS = {
+_LAYER_FIELDS: dict[str, tuple[str, str | None, bool, bool]] = {
     # kvd name: (HF suffix, GGUF suffix, transpose, is_norm)
     "attn_norm": ("input_layernorm.weight", "attn_norm.weight", False, True),
     "post_attn_norm": (
@@ -47,14 +47,17 @@ _LAYER_FIELDS = {
     "gate": ("mlp.gate_proj.weight", "ffn_gate.weight", True, False),
     "up": ("mlp.up_proj.weight", "ffn_up.weight", True, False),
     "down": ("mlp.down_proj.weight", "ffn_down.weight", True, False),
+    "layer_scalar": ("layer_scalar", None, False, False),  # no GGUF spelling: gemma3 GGUFs only
 }
 
 
 def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """The tensors layer ``layer`` needs; Gemma 4's k_eq_v global layers have no V
+    projection (K's projection feeds both), and Gemma 4 layers carry a scalar."""
     kind = cfg.layer_kinds[layer]
     d, f = cfg.hidden_size, cfg.intermediate_size
     h, kv = cfg.head_dim_of(kind), cfg.kv_heads_of(kind)
-    return {
+    shapes = {
         "attn_norm": (d,),
         "post_attn_norm": (d,),
         "pre_ffn_norm": (d,),
@@ -69,6 +72,11 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         "up": (d, f),
         "down": (f, d),
     }
+    if cfg.k_eq_v_global and kind is AttentionKind.GLOBAL:
+        del shapes["v"]
+    if cfg.layer_scalar:
+        shapes["layer_scalar"] = (1,)
+    return shapes
 
 
 def _check(name: str, array: np.ndarray[Any, Any], shape: tuple[int, ...]) -> None:
@@ -95,7 +103,8 @@ def _build(
     for i in range(cfg.num_layers):
         shapes = expected_shapes(cfg, i)
         layer = {}
-        for field, (_, _, transpose, is_norm) in _LAYER_FIELDS.items():
+        for field in shapes:
+            _, _, transpose, is_norm = _LAYER_FIELDS[field]
             array = fetch(f"layers.{i}.{field}", is_norm)
             array = array.T if transpose else array
             if is_norm:
@@ -133,7 +142,8 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any) -> 
             raise WeightsError(f"checkpoint has no tensor for {hf!r}")
         return np.asarray(stripped[hf], dtype=np.float32)
 
-    return _build(cfg, fetch, norm_offset=1.0, dtype=dtype)
+    # Gemma 3 checkpoints hold w for x * (1 + w); Gemma 4 multiplies by w itself.
+    return _build(cfg, fetch, norm_offset=1.0 if cfg.family == "gemma3" else 0.0, dtype=dtype)
 
 
 def load_hf_directory(path: Path, dtype: Any) -> tuple[ModelConfig, dict[str, Any]]:
@@ -241,7 +251,10 @@ def params_from_gguf(cfg: ModelConfig, gguf: GGUFFile, dtype: Any) -> dict[str, 
             name = "output_norm.weight"
         else:
             _, index, field = path.split(".")
-            name = f"blk.{index}.{_LAYER_FIELDS[field][1]}"
+            suffix = _LAYER_FIELDS[field][1]
+            if suffix is None:
+                raise WeightsError(f"GGUF files have no tensor for {field}")
+            name = f"blk.{index}.{suffix}"
         try:
             return gguf.load(name, np.float32)
         except GGUFError as exc:

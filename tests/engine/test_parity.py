@@ -1,4 +1,5 @@
-"""kvd's paged forward against transformers' Gemma 3, logits within 1e-4 (f32)."""
+"""kvd's paged forward against transformers' Gemma 3 and Gemma 4 (tiny random
+models), logits within 1e-4 (f32)."""
 
 from __future__ import annotations
 
@@ -43,24 +44,32 @@ class Harness:
         return np.asarray(logits[:total])
 
 
+MODELS = ["tiny3", "tiny4", "tiny4_separate_v"]
+
+
+@pytest.fixture(params=MODELS)
+def tiny(request: pytest.FixtureRequest) -> TinyModel:
+    return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
+
+
 def _tokens(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 128, n)]
 
 
-def test_whole_prefill_matches(tiny3: TinyModel) -> None:
+def test_whole_prefill_matches(tiny: TinyModel) -> None:
     tokens = _tokens(37, 1)  # several windows and blocks
-    h = Harness(tiny3)
+    h = Harness(tiny)
     seq = h.kv.add_sequence(1, "t", tokens)
     h.kv.allocate(seq, len(tokens))
     ours = h.run_all_logits([(seq, len(tokens))])
-    np.testing.assert_allclose(ours, hf_logits(tiny3, tokens), atol=TOL, rtol=0)
+    np.testing.assert_allclose(ours, hf_logits(tiny, tokens), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("chunks", [(3, 5, 7, 11, 11), (1, 4, 4, 16, 12), (17, 1, 1, 1, 1, 15)])
-def test_chunked_prefill_across_blocks_matches(tiny3: TinyModel, chunks: tuple[int, ...]) -> None:
+def test_chunked_prefill_across_blocks_matches(tiny: TinyModel, chunks: tuple[int, ...]) -> None:
     tokens = _tokens(sum(chunks), 2)
-    expected = hf_logits(tiny3, tokens)
-    h = Harness(tiny3)
+    expected = hf_logits(tiny, tokens)
+    h = Harness(tiny)
     seq = h.kv.add_sequence(1, "t", tokens)
     for n in chunks:
         start = seq.num_computed
@@ -70,11 +79,11 @@ def test_chunked_prefill_across_blocks_matches(tiny3: TinyModel, chunks: tuple[i
     h.kv.check_invariants()
 
 
-def test_paged_decode_past_the_window_in_a_ragged_batch(tiny3: TinyModel) -> None:
+def test_paged_decode_past_the_window_in_a_ragged_batch(tiny: TinyModel) -> None:
     prompts = [_tokens(n, 10 + n) for n in (5, 13, 2)]
     full = [p + _tokens(30, 20 + i) for i, p in enumerate(prompts)]
-    expected = [hf_logits(tiny3, f) for f in full]
-    h = Harness(tiny3)
+    expected = [hf_logits(tiny, f) for f in full]
+    h = Harness(tiny)
     seqs = [h.kv.add_sequence(i, "t", f) for i, f in enumerate(full)]
     work = []
     for seq, p in zip(seqs, prompts, strict=True):
@@ -95,10 +104,10 @@ def test_paged_decode_past_the_window_in_a_ragged_batch(tiny3: TinyModel) -> Non
     h.kv.check_invariants()
 
 
-def test_prefix_cache_hit_gives_the_same_logits(tiny3: TinyModel) -> None:
+def test_prefix_cache_hit_gives_the_same_logits(tiny: TinyModel) -> None:
     tokens = _tokens(21, 3)
-    expected = hf_logits(tiny3, tokens + [5])
-    h = Harness(tiny3)
+    expected = hf_logits(tiny, tokens + [5])
+    h = Harness(tiny)
     first = h.kv.add_sequence(1, "t", tokens)
     h.kv.allocate(first, len(tokens))
     h.run_all_logits([(first, len(tokens))])
