@@ -159,6 +159,16 @@ def bench_decode(
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("startup")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_startup(as_json: bool) -> None:
+    """Cold start (empty cache) and warm restart of the embedded model, to ready."""
+    from kvd.bench.startup import render, run_startup_bench
+
+    report = run_startup_bench()
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 def main() -> None:
     run(cli, "kvd")
 

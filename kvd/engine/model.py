@@ -55,6 +55,15 @@ class EngineSpec(msgspec.Struct, frozen=True):
         places = tuple(layout.group_of_layer(i) for i in range(config.num_layers))
         return cls(config, layout.block_size, places, tuple(g.slots for g in layout.groups))
 
+    def slots_of(self, kind: AttentionKind) -> int:
+        """Layer slots per page of this kind's groups (the same for all of them)."""
+        (slots,) = {
+            self.group_slots[g]
+            for (g, _), k in zip(self.layer_places, self.config.layer_kinds, strict=True)
+            if k is kind
+        }
+        return slots
+
     @property
     def uniform(self) -> bool:
         """Every layer has the same shapes (Gemma 3): the layers run as one
@@ -146,7 +155,7 @@ def _attention_block(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     num_pages = pool.shape[0]
-    slots = spec.group_slots[0] if spec.uniform else spec.group_slots[place.group]
+    slots = spec.slots_of(kind)
     view = pool.reshape(num_pages, slots, 2, spec.block_size, n_kv, head_dim)
     pages, offsets = batch.write_pages[place.group], batch.write_offsets
     view = view.at[pages, place.slot, 0, offsets].set(k.astype(view.dtype))
@@ -239,11 +248,22 @@ def body(
         return x, pool
     for layer, kind in enumerate(cfg.layer_kinds):
         group, slot = spec.layer_places[layer]
-        place = _LayerPlace(group, slot, windows[layer], kind is AttentionKind.GLOBAL)
-        x, pool = _block(
+        place = _LayerPlace(
+            jnp.int32(group),
+            jnp.int32(slot),
+            jnp.int32(windows[layer]),
+            kind is AttentionKind.GLOBAL,
+        )
+        x, pool = _traced_block(
             spec, kind, place, params["layers"][layer], x, pool, batch, {kind: ropes[kind]}
         )
     return x, pool
+
+
+# Layers of one kind share a single trace: where a layer's KV lives is passed
+# as traced scalars, so lowering an 18-layer step traces two layer bodies, not
+# eighteen (XLA inlines the calls; the compiled step is the same).
+_traced_block = jax.jit(_block, static_argnums=(0, 1))
 
 
 def head(spec: EngineSpec, params: Params, rows: jax.Array) -> jax.Array:
