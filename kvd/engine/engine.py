@@ -119,6 +119,14 @@ class Engine:
         )
         self._body = jax.jit(partial(run_body, self.spec), donate_argnums=(1,))
         self._head = jax.jit(partial(head_and_sample, self.spec))
+        # Swapping: pages gathered to the host and scattered back, in page-count buckets.
+        self.page_buckets = powers_of_two(
+            1, max(1, self.layout.pages_for_tokens(cfg.max_model_len))
+        )
+        self._gather = jax.jit(lambda pool, pages: pool[pages])
+        self._scatter = jax.jit(
+            lambda pool, pages, data: pool.at[pages].set(data), donate_argnums=(0,)
+        )
         # Compiled executables by shape key; warm-up fills them ahead of time.
         self._programs: dict[tuple[str, int, int], Any] = {}
         self.late_compiles = 0  # programs compiled after warm_up(): a bucketing bug
@@ -126,6 +134,26 @@ class Engine:
         self._next_id = 0
 
     # -- shapes ----------------------------------------------------------------------
+
+    def page_elements(self) -> int:
+        return int(self.pool.shape[1])
+
+    def copy_out(self, pages: list[int]) -> np.ndarray[Any, Any]:
+        """The contents of ``pages``, on the host: ``[len(pages), E]``."""
+        size = bucket(len(pages), self.page_buckets)
+        index = jnp.asarray(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
+        program = self._program(("gather", size, 0), self._gather, self.pool, index)
+        return np.asarray(program(self.pool, index))[: len(pages)]
+
+    def copy_in(self, pages: list[int], data: np.ndarray[Any, Any]) -> None:
+        """Write host ``data`` into ``pages`` (padding lands in the null page)."""
+        size = bucket(len(pages), self.page_buckets)
+        index = jnp.asarray(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
+        padded = np.zeros((size, self.page_elements()), data.dtype)
+        padded[: len(pages)] = data
+        values = jnp.asarray(padded, self.pool.dtype)
+        program = self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
+        self.pool = program(self.pool, index, values)
 
     def shape_buckets(self) -> list[tuple[int, int]]:
         return [(t, w) for t in self.token_buckets for w in self.block_buckets]
@@ -163,6 +191,14 @@ class Engine:
             self._program(("head", seqs, 0), self._head, self.params, rows, sampling)
             if progress is not None:
                 progress(done, total, f"head and sampling: {seqs} sequences")
+        elements = self.page_elements()
+        for size in self.page_buckets:  # swap copies: small programs, all of them
+            index = jax.ShapeDtypeStruct((size,), jnp.int32)
+            values = jax.ShapeDtypeStruct((size, elements), self.pool.dtype)
+            self._program(("gather", size, 0), self._gather, self.pool, index)
+            self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
+        if progress is not None:
+            progress(total, total, f"swap copies: up to {self.page_buckets[-1]} pages")
         self._warm = True
         return time.perf_counter() - start
 

@@ -98,10 +98,12 @@ def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],)))(keys)
         return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
 
+    candidates = min(CANDIDATES, logits.shape[-1])
+
     def among_candidates() -> jax.Array:
-        top_values, top_index = jax.lax.top_k(scaled, CANDIDATES)  # [S, C] best first
-        rank = jnp.arange(CANDIDATES)[None, :]
-        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, CANDIDATES), CANDIDATES)
+        top_values, top_index = jax.lax.top_k(scaled, candidates)  # [S, C] best first
+        rank = jnp.arange(candidates)[None, :]
+        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, candidates), candidates)
         keep = rank < k[:, None]
         probs = jax.nn.softmax(jnp.where(keep, top_values, -jnp.inf), axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better candidates

@@ -1,0 +1,558 @@
+"""Continuous batching with multi-tenant policy, one synchronous step at a time.
+
+Each ``step()``:
+1. expires waiting requests past their deadline;
+2. schedules the running sequences, most important first (tier, then age):
+   a decode token or the next prefill chunk each, within the step's token
+   budget. A sequence that needs a page the pool cannot give gets one through
+   the KV core's eviction plan (victims are recomputed or swapped, whichever
+   the measured cost model says is cheaper), or is preempted itself;
+3. swaps back in what fits;
+4. admits waiting requests: tier first, then the backlogged tenant with the
+   smallest virtual token counter, first come first served within a tenant
+   (in ``free`` mode: first come, first served across tenants).
+   A tenant under its reservation reclaims other tenants' surplus, so its
+   request starts within the step;
+5. runs the engine once and turns sampled tokens into events.
+
+Finished and cancelled sequences give their pages back at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvd.engine.engine import Engine
+from kvd.engine.sampling import SamplingParams
+from kvd.kv.eviction import plan_eviction
+from kvd.kv.ledger import BudgetMode, TenantBudget
+from kvd.kv.manager import PrefixHit
+from kvd.kv.scope import SharingPolicy
+from kvd.kv.sequence import KVState, Sequence
+from kvd.sched.costmodel import Rates
+from kvd.sched.fairshare import VirtualCounters
+from kvd.sched.ratelimit import RateLimited, RateLimits, TenantLimiter
+
+
+class TenantConfig(msgspec.Struct, frozen=True):
+    name: str
+    reservation_pages: int = 0
+    cap_pages: int | None = None
+    tier: str = "interactive"
+    weight: float = 1.0
+    limits: RateLimits = RateLimits()
+    max_queue: int = 64
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True):
+    tiers: tuple[str, ...] = ("interactive", "batch")  # most important first
+    mode: BudgetMode = BudgetMode.RESERVE
+    policy: SharingPolicy = SharingPolicy.PUBLIC
+    preemption: str = "auto"  # "auto" (cost model), "recompute" or "swap"
+
+
+class Rejection(Exception):
+    """A request refused at admission, with the HTTP status the API should use."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    tenant: str
+    prompt: list[int]
+    params: SamplingParams
+    tier: int
+    arrival: float
+    deadline: float | None
+    cache_salt: str | None
+    seq: Sequence | None = None
+    state: RequestState = RequestState.WAITING
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    host_pages: tuple[list[tuple[int, int]], np.ndarray[Any, Any]] | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    started_at: float | None = None
+    charged_input: bool = False
+    cached_tokens: int = 0
+    preemptions: int = 0
+
+
+class StepEvent(msgspec.Struct, frozen=True):
+    request_id: str
+    token: int | None  # None for an event without a token (rejection, cancel)
+    logprob: float
+    finished: bool
+    finish_reason: str | None = None
+
+
+class TenantStats(msgspec.Struct):
+    running: int = 0
+    waiting: int = 0
+    swapped: int = 0
+    pages_used: int = 0
+    pages_reserved: int = 0
+    pages_cap: int | None = None
+    surplus_pages: int = 0
+    service: float = 0.0
+    preempted_recompute: int = 0
+    preempted_swap: int = 0
+    rate_limited: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct):
+    steps: int
+    running: int
+    waiting: int
+    swapped: int
+    free_pages: int
+    cached_pages: int
+    used_pages: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preempted_recompute: int
+    preempted_swap: int
+    ttft_s: list[float]  # since the last stats() call
+    inter_token_s: list[float]
+    queue_s: list[float]
+    tenants: dict[str, TenantStats]
+    prefill_tokens_per_s: float | None
+    copy_bytes_per_s: float | None
+    crossover_tokens: int | None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        config: SchedulerConfig | None = None,
+        *,
+        rates: Rates | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.kv = engine.kv
+        self.config = config or SchedulerConfig()
+        self.kv.set_mode(self.config.mode)
+        self.kv.set_policy(self.config.policy)
+        self.rates = rates
+        self.clock = clock
+        self.tenants: dict[str, TenantConfig] = {}
+        self.limiters: dict[str, TenantLimiter] = {}
+        self.queues: dict[str, deque[Request]] = {}
+        self.counters = VirtualCounters()
+        self.requests: dict[str, Request] = {}
+        self.running: dict[str, Request] = {}
+        self.swapped: dict[str, Request] = {}
+        self.tenant_stats: dict[str, TenantStats] = {}
+        self.steps = 0
+        self._seq_ids = itertools.count(1)
+        self._ttft: list[float] = []
+        self._itl: list[float] = []
+        self._queue: list[float] = []
+
+    # -- tenants ---------------------------------------------------------------
+
+    def set_tenant(self, tenant: TenantConfig) -> None:
+        if tenant.tier not in self.config.tiers:
+            raise ValueError(
+                f"unknown tier {tenant.tier!r} (tiers: {', '.join(self.config.tiers)})"
+            )
+        self.kv.set_tenant(tenant.name, TenantBudget(tenant.reservation_pages, tenant.cap_pages))
+        self.counters.set_weight(tenant.name, tenant.weight)
+        old = self.tenants.get(tenant.name)
+        if old is None or old.limits != tenant.limits:
+            self.limiters[tenant.name] = TenantLimiter(tenant.limits, self.clock())
+        self.tenants[tenant.name] = tenant
+        self.queues.setdefault(tenant.name, deque())
+        self.tenant_stats.setdefault(tenant.name, TenantStats())
+
+    # -- admission -------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        tenant: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        tier: str | None = None,
+        deadline_s: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queue a request, or raise Rejection (400/413/429/503) saying why."""
+        config = self.tenants.get(tenant)
+        if config is None:
+            raise Rejection(401, "unknown_tenant", f"unknown tenant {tenant!r}")
+        if request_id in self.requests:
+            raise Rejection(400, "duplicate_id", f"request {request_id!r} already exists")
+        if not prompt:
+            raise Rejection(400, "empty_prompt", "the prompt is empty")
+        vocab = self.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise Rejection(400, "bad_token", "the prompt holds token ids outside the vocabulary")
+        limit = self.engine.config.max_model_len
+        if len(prompt) >= limit:
+            raise Rejection(
+                413,
+                "prompt_too_long",
+                f"the prompt has {len(prompt)} tokens; the context is {limit} tokens",
+            )
+        tier_name = tier or config.tier
+        if tier_name not in self.config.tiers:
+            raise Rejection(400, "bad_tier", f"unknown priority tier {tier_name!r}")
+        queue = self.queues[tenant]
+        if len(queue) >= config.max_queue:
+            raise Rejection(
+                429, "queue_full", f"tenant queue is full ({config.max_queue} waiting)", 1.0
+            )
+        now = self.clock()
+        budget_tokens = len(prompt) + min(params.max_tokens, limit - len(prompt))
+        try:
+            self.limiters[tenant].admit(budget_tokens, now)
+        except RateLimited as exc:
+            self.tenant_stats[tenant].rate_limited += 1
+            raise Rejection(429, "rate_limited", str(exc), exc.retry_after) from None
+        request = Request(
+            request_id,
+            tenant,
+            list(prompt),
+            params,
+            self.config.tiers.index(tier_name),
+            now,
+            None if deadline_s is None else now + deadline_s,
+            cache_salt,
+        )
+        if not queue and not self._backlogged(tenant):
+            self.counters.activate(tenant, self._active_tenants())
+        queue.append(request)
+        self.requests[request_id] = request
+        return request
+
+    def _backlogged(self, tenant: str) -> bool:
+        return bool(self.queues[tenant]) or any(r.tenant == tenant for r in self.running.values())
+
+    def _active_tenants(self) -> set[str]:
+        return {t for t in self.tenants if self._backlogged(t)}
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now and free its pages; False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.state is RequestState.FINISHED:
+            return False
+        self._finish(request, "cancelled")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.swapped or any(self.queues.values()))
+
+    # -- one step --------------------------------------------------------------
+
+    def step(self) -> list[StepEvent]:
+        now = self.clock()
+        self.steps += 1
+        events: list[StepEvent] = []
+        self._expire(now, events)
+        work: list[tuple[Request, int]] = []
+        budget = self.engine.config.max_num_batched_tokens
+        budget = self._schedule_running(work, budget)
+        budget = self._swap_in(work, budget)
+        self._admit(work, budget, now)
+        if not work:
+            return events
+        batch = [(r.seq, n, r.params) for r, n in work if r.seq is not None]
+        tokens, logprobs, stopped = self.engine.step(batch)
+        now = self.clock()
+        for (request, _), token, logprob, stop in zip(work, tokens, logprobs, stopped, strict=True):
+            self._emit(request, int(token), float(logprob), bool(stop), now, events)
+        return events
+
+    def _order(self, requests: list[Request]) -> list[Request]:
+        return sorted(requests, key=lambda r: (r.tier, r.arrival))
+
+    def _schedule_running(self, work: list[tuple[Request, int]], budget: int) -> int:
+        max_seqs = self.engine.config.max_num_seqs
+        for request in self._order(list(self.running.values())):
+            if request.state is not RequestState.RUNNING or budget <= 0:
+                continue
+            if len(work) >= max_seqs:
+                break
+            seq = request.seq
+            assert seq is not None
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if self._ensure_pages(request, n, None, work):
+                work.append((request, n))
+                budget -= n
+        return budget
+
+    def _swap_in(self, work: list[tuple[Request, int]], budget: int) -> int:
+        for request in self._order(list(self.swapped.values())):
+            seq = request.seq
+            if budget <= 0 or len(work) >= self.engine.config.max_num_seqs or seq is None:
+                break
+            if not self.kv.can_swap_in(seq):
+                continue
+            assert request.host_pages is not None
+            blocks, data = request.host_pages
+            rows = {key: i for i, key in enumerate(blocks)}
+            copies = self.kv.swap_in(seq)
+            self.engine.copy_in(
+                [c.page for c in copies], data[[rows[(c.group, c.block)] for c in copies]]
+            )
+            request.host_pages = None
+            request.state = RequestState.RUNNING
+            del self.swapped[request.request_id]
+            self.running[request.request_id] = request
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if self._ensure_pages(request, n, None, work):
+                work.append((request, n))
+                budget -= n
+        return budget
+
+    def _next_waiting(self, blocked: set[str]) -> Request | None:
+        candidates = [
+            (queue[0].tier, tenant)
+            for tenant, queue in self.queues.items()
+            if queue and tenant not in blocked
+        ]
+        if not candidates:
+            return None
+        best_tier = min(tier for tier, _ in candidates)
+        tenants = [t for tier, t in candidates if tier == best_tier]
+        if self.kv.ledger.mode is BudgetMode.FREE:
+            # Free-for-all: first come, first served across tenants, no fair share.
+            return min((self.queues[t][0] for t in tenants), key=lambda r: r.arrival)
+        return self.queues[self.counters.order(tenants)[0]][0]
+
+    def _admit(self, work: list[tuple[Request, int]], budget: int, now: float) -> None:
+        blocked: set[str] = set()
+        while budget > 0 and len(work) < self.engine.config.max_num_seqs:
+            request = self._next_waiting(blocked)
+            if request is None:
+                return
+            if request.seq is None:
+                request.seq = self.kv.add_sequence(
+                    next(self._seq_ids),
+                    request.tenant,
+                    request.prompt + request.output,
+                    tier=request.tier,
+                    cache_salt=request.cache_salt,
+                )
+            seq = request.seq
+            hit = self.kv.lookup(seq)
+            n = min(len(seq.tokens) - hit.num_tokens, budget)
+            if not self._ensure_pages(request, n, hit, work):
+                blocked.add(request.tenant)
+                continue
+            self.queues[request.tenant].popleft()
+            request.state = RequestState.RUNNING
+            self.running[request.request_id] = request
+            if request.started_at is None:
+                request.started_at = now
+                request.cached_tokens = hit.num_tokens
+                self._queue.append(now - request.arrival)
+                stats = self.tenant_stats[request.tenant]
+                stats.prompt_tokens += len(request.prompt)
+                stats.cached_tokens += hit.num_tokens
+            if not request.charged_input:
+                self.counters.charge(request.tenant, input_tokens=len(request.prompt))
+                request.charged_input = True
+            work.append((request, n))
+            budget -= n
+
+    def _ensure_pages(
+        self, request: Request, n: int, hit: PrefixHit | None, work: list[tuple[Request, int]]
+    ) -> bool:
+        """Allocate pages for ``n`` more tokens, preempting by policy if needed."""
+        seq = request.seq
+        assert seq is not None
+        kv = self.kv
+        demand = kv.demand(seq, n, hit)
+        if kv.fits(request.tenant, demand):
+            kv.allocate(seq, n, hit)
+            return True
+        plan = plan_eviction(kv, seq, demand, hit)
+        if plan is None:
+            if request.state is RequestState.RUNNING:
+                self._preempt(request, work)  # it cannot grow: it yields, as vLLM does
+            return False
+        for victim in plan.victims:
+            self._preempt(self._by_seq(victim.seq_id), work)
+        if hit is not None and hit.epoch != kv.pool.evictions:
+            return False
+        if not kv.can_allocate(seq, n, hit):
+            return False
+        kv.allocate(seq, n, hit)
+        return True
+
+    def _by_seq(self, seq_id: int) -> Request:
+        for request in self.running.values():
+            if request.seq is not None and request.seq.seq_id == seq_id:
+                return request
+        raise KeyError(seq_id)
+
+    def preemption_kind(self, seq: Sequence) -> str:
+        if self.config.preemption != "auto" or self.rates is None:
+            return "swap" if self.config.preemption == "swap" else "recompute"
+        pages = len(seq.held_pages())
+        recompute = self.rates.recompute_s(seq.num_computed)
+        return "swap" if self.rates.swap_s(pages) < recompute else "recompute"
+
+    def _preempt(self, request: Request, work: list[tuple[Request, int]]) -> None:
+        seq = request.seq
+        assert seq is not None
+        for i, (scheduled, _) in enumerate(work):
+            if scheduled is request:
+                del work[i]
+                break
+        kind = self.preemption_kind(seq)
+        stats = self.tenant_stats[request.tenant]
+        del self.running[request.request_id]
+        request.preemptions += 1
+        if kind == "swap" and seq.num_computed > 0:
+            copies = self.kv.begin_swap_out(seq)
+            data = self.engine.copy_out([c.page for c in copies])
+            self.kv.finish_swap_out(seq)
+            request.host_pages = ([(c.group, c.block) for c in copies], data)
+            request.state = RequestState.SWAPPED
+            self.swapped[request.request_id] = request
+            stats.preempted_swap += 1
+            return
+        self.kv.release(seq)  # recompute: tokens kept, pages dropped
+        request.state = RequestState.WAITING
+        self.queues[request.tenant].appendleft(request)
+        stats.preempted_recompute += 1
+
+    # -- results -------------------------------------------------------------------
+
+    def _emit(
+        self,
+        request: Request,
+        token: int,
+        logprob: float,
+        stopped: bool,
+        now: float,
+        events: list[StepEvent],
+    ) -> None:
+        seq = request.seq
+        if seq is None or request.state is not RequestState.RUNNING:
+            return
+        if seq.num_computed < len(seq.tokens):
+            return  # a prefill chunk: nothing sampled yet
+        request.output.append(token)
+        self.counters.charge(request.tenant, output_tokens=1)
+        self.tenant_stats[request.tenant].completion_tokens += 1
+        if request.first_token_at is None:
+            request.first_token_at = now
+            self._ttft.append(now - request.arrival)
+        elif request.last_token_at is not None:
+            self._itl.append(now - request.last_token_at)
+        request.last_token_at = now
+        reason = self._finish_reason(request, token, stopped)
+        events.append(StepEvent(request.request_id, token, logprob, reason is not None, reason))
+        if reason is None:
+            self.kv.append_tokens(seq, [token])
+        else:
+            self._finish(request, reason)
+
+    def _finish_reason(self, request: Request, token: int, stopped: bool) -> str | None:
+        if stopped:
+            return "stop"
+        tokenizer = getattr(self.engine.model, "tokenizer", None)
+        if tokenizer is not None and token in tokenizer.stop_ids():
+            return "stop"
+        if len(request.output) >= request.params.max_tokens:
+            return "length"
+        if len(request.prompt) + len(request.output) >= self.engine.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        seq = request.seq
+        if seq is not None and seq.state is not KVState.RELEASED:
+            self.kv.finish(seq)
+        self.running.pop(request.request_id, None)
+        self.swapped.pop(request.request_id, None)
+        queue = self.queues[request.tenant]
+        if request in queue:
+            queue.remove(request)
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+        request.host_pages = None
+        self.tenant_stats[request.tenant].finished += 1
+        del self.requests[request.request_id]
+
+    def _expire(self, now: float, events: list[StepEvent]) -> None:
+        for queue in self.queues.values():
+            for request in [r for r in queue if r.deadline is not None and r.deadline < now]:
+                self._finish(request, "deadline")
+                events.append(StepEvent(request.request_id, None, 0.0, True, "deadline"))
+
+    # -- observability -----------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv
+        tenants: dict[str, TenantStats] = {}
+        for name, base in self.tenant_stats.items():
+            account = kv.ledger.accounts.get(name)
+            stats = msgspec.structs.replace(
+                base,
+                running=sum(1 for r in self.running.values() if r.tenant == name),
+                waiting=len(self.queues[name]),
+                swapped=sum(1 for r in self.swapped.values() if r.tenant == name),
+                pages_used=account.used if account else 0,
+                pages_reserved=account.reservation if account else 0,
+                pages_cap=account.cap if account else None,
+                surplus_pages=kv.ledger.surplus(name) if account else 0,
+                service=self.counters.service.get(name, 0.0),
+            )
+            tenants[name] = stats
+        ttft, itl, queue = self._ttft, self._itl, self._queue
+        self._ttft, self._itl, self._queue = [], [], []
+        rates = self.rates
+        return SchedulerStats(
+            steps=self.steps,
+            running=len(self.running),
+            waiting=sum(len(q) for q in self.queues.values()),
+            swapped=len(self.swapped),
+            free_pages=len(kv.pool.free),
+            cached_pages=len(kv.pool.lru),
+            used_pages=kv.pool.num_referenced(),
+            prefix_query_tokens=kv.prefix_query_tokens,
+            prefix_hit_tokens=kv.prefix_hit_tokens,
+            preempted_recompute=sum(t.preempted_recompute for t in tenants.values()),
+            preempted_swap=sum(t.preempted_swap for t in tenants.values()),
+            ttft_s=ttft,
+            inter_token_s=itl,
+            queue_s=queue,
+            tenants=tenants,
+            prefill_tokens_per_s=rates.prefill_tokens_per_s if rates else None,
+            copy_bytes_per_s=rates.copy_bytes_per_s if rates else None,
+            crossover_tokens=rates.crossover_tokens() if rates else None,
+        )
