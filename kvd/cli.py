@@ -159,6 +159,27 @@ def bench_decode(
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("scheduler")
+@click.option("--running", default="64,256,1024", show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--no-crossover", is_flag=True, help="Skip measuring rates on the 270M model.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_scheduler(running: str, steps: int, no_crossover: bool, as_json: bool) -> None:
+    """Scheduler host overhead per step, and the measured recompute/swap crossover."""
+    from kvd.bench.scheduler import render, run_scheduler_bench
+
+    try:
+        sizes = tuple(int(part) for part in running.split(","))
+    except ValueError:
+        fail(f"--running must be comma-separated integers, got {running!r}")
+    if any(n < 1 for n in sizes):
+        fail("--running sizes must be positive")
+    report = run_scheduler_bench(
+        sizes, steps, not no_crossover, lambda text: click.echo(text, err=True)
+    )
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 @bench.command("startup")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_startup(as_json: bool) -> None:

@@ -130,10 +130,16 @@ class Engine:
         # Compiled executables by shape key; warm-up fills them ahead of time.
         self._programs: dict[tuple[str, int, int], Any] = {}
         self.late_compiles = 0  # programs compiled after warm_up(): a bucketing bug
+        self.device_seconds = 0.0  # time in device programs and their results, all steps
         self._warm = False
         self._next_id = 0
 
     # -- shapes ----------------------------------------------------------------------
+
+    def _rows_spec(self) -> jax.ShapeDtypeStruct:
+        """The decoder's output for the head: one row per possible sequence."""
+        hidden = self.model.config.hidden_size
+        return jax.ShapeDtypeStruct((self.config.max_num_seqs, hidden), self.params["embed"].dtype)
 
     def page_elements(self) -> int:
         return int(self.pool.shape[1])
@@ -179,8 +185,7 @@ class Engine:
         start = time.perf_counter()
         shapes = self.shape_buckets()
         total = len(shapes) + len(self.seq_buckets)
-        hidden = self.model.config.hidden_size
-        rows = jax.ShapeDtypeStruct((self.config.max_num_seqs, hidden), self.params["embed"].dtype)
+        rows = self._rows_spec()
         for done, (tokens, width) in enumerate(shapes, 1):
             batch = self._empty_batch(tokens, width)
             self._program(("body", tokens, width), self._body, self.params, self.pool, batch)
@@ -240,17 +245,18 @@ class Engine:
         body_program = self._program(
             ("body", tokens_bucket, width), self._body, self.params, self.pool, batch
         )
+        head_program = self._program(
+            ("head", seqs, 0), self._head, self.params, self._rows_spec(), sampling
+        )
+        started = time.perf_counter()
         rows, self.pool = body_program(self.params, self.pool, batch)
-        head_program = self._program(("head", seqs, 0), self._head, self.params, rows, sampling)
         tokens, logprobs, stopped = head_program(self.params, rows, sampling)
+        tokens, logprobs, stopped = np.asarray(tokens), np.asarray(logprobs), np.asarray(stopped)
+        self.device_seconds += time.perf_counter() - started
         for seq, n, _ in work:
             self.kv.commit(seq, n)
         count = len(work)
-        return (
-            np.asarray(tokens)[:count],
-            np.asarray(logprobs)[:count],
-            np.asarray(stopped)[:count],
-        )
+        return tokens[:count], logprobs[:count], stopped[:count]
 
     # -- one-shot generation ---------------------------------------------------------
 

@@ -1,0 +1,188 @@
+"""``kvd bench scheduler``: host overhead per step, and the recompute/swap crossover.
+
+Host overhead is everything a scheduling step does on the host (admission,
+fair-share order, KV bookkeeping, batch assembly, token handling) and not the
+model call: the step's wall time minus the time the engine spent in device
+programs and their results. The model is a small random Gemma 3 so 1,024
+sequences fit in one step; the bookkeeping does not depend on its size.
+
+The crossover comes from the cost model's two rates, measured on the embedded
+Gemma 3 270M on this machine (the rates a daemon measures at start-up).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+from kvd.bench.kv import machine_description
+
+
+class OverheadFigures(msgspec.Struct, frozen=True):
+    running: int
+    steps: int
+    mean_ms: float
+    p50_ms: float
+    p99_ms: float
+    device_ms: float
+
+
+class SchedulerBenchReport(msgspec.Struct, frozen=True):
+    machine: str
+    overhead: list[OverheadFigures]
+    rates_model: str | None = None
+    prefill_tokens_per_s: float | None = None
+    copy_bytes_per_s: float | None = None
+    crossover_tokens: int | None = None
+    crossover_note: str | None = None
+
+
+def _tiny_model() -> object:
+    from kvd.engine.config import ModelConfig
+    from kvd.engine.loader import LoadedModel
+    from kvd.engine.weights import expected_shapes
+    from kvd.kv.geometry import interleaved_kinds
+
+    config = ModelConfig(
+        name="bench-tiny",
+        family="gemma3",
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        layer_kinds=interleaved_kinds(6, 3),
+        sliding_window=32,
+        max_position=256,
+        query_pre_attn_scalar=16.0,
+    )
+    rng = np.random.default_rng(0)
+    layers = [
+        {
+            name: (rng.standard_normal(shape) * 0.1).astype(np.float32)
+            for name, shape in expected_shapes(config, i).items()
+        }
+        for i in range(config.num_layers)
+    ]
+    params = {
+        "embed": rng.standard_normal((256, 32)).astype(np.float32),
+        "final_norm": np.ones(32, np.float32),
+        "layers": layers,
+    }
+    return LoadedModel(config, params, None, "random", 0.0)  # type: ignore[arg-type]
+
+
+def bench_overhead(running: int, steps: int) -> OverheadFigures:
+    from kvd.engine.engine import Engine, EngineConfig
+    from kvd.engine.sampling import SamplingParams
+    from kvd.sched.scheduler import Scheduler, TenantConfig
+
+    engine = Engine(
+        _tiny_model(),  # type: ignore[arg-type]
+        EngineConfig(
+            block_size=16,
+            max_model_len=256,
+            max_num_seqs=running,
+            max_num_batched_tokens=max(64, running),
+            pool_tokens=running * 128,
+        ),
+    )
+    engine.warm_up()
+    scheduler = Scheduler(engine)
+    for name in ("alice", "bob", "carol", "dave"):
+        scheduler.set_tenant(TenantConfig(name, max_queue=running * 2))
+    rng = np.random.default_rng(running)
+    params = SamplingParams(temperature=0.0, max_tokens=200)
+    for i in range(running):
+        prompt = [2, *rng.integers(10, 250, 8).tolist()]
+        scheduler.submit(f"r{i}", ("alice", "bob", "carol", "dave")[i % 4], prompt, params)
+    while scheduler.stats().waiting:  # admit everyone: the measured steps are all decode
+        scheduler.step()
+    times: list[float] = []
+    device: list[float] = []
+    for _ in range(steps):
+        before = engine.device_seconds
+        start = time.perf_counter()
+        scheduler.step()
+        wall = time.perf_counter() - start
+        spent = engine.device_seconds - before
+        times.append(wall - spent)
+        device.append(spent)
+    times.sort()
+    return OverheadFigures(
+        running=running,
+        steps=steps,
+        mean_ms=statistics.fmean(times) * 1e3,
+        p50_ms=times[len(times) // 2] * 1e3,
+        p99_ms=times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3,
+        device_ms=statistics.fmean(device) * 1e3,
+    )
+
+
+def run_scheduler_bench(
+    sizes: tuple[int, ...] = (64, 256, 1024),
+    steps: int = 50,
+    measure_crossover: bool = True,
+    say: Callable[[str], None] = lambda _text: None,
+) -> SchedulerBenchReport:
+    overhead = []
+    for running in sizes:
+        say(f"scheduler overhead at {running} running sequences")
+        overhead.append(bench_overhead(running, steps))
+    if not measure_crossover:
+        return SchedulerBenchReport(machine_description(), overhead)
+    from kvd.engine.engine import Engine, EngineConfig
+    from kvd.engine.loader import EMBEDDED_MODEL, load_model
+    from kvd.sched.costmodel import measure_rates
+
+    say(f"measuring recompute and swap rates on {EMBEDDED_MODEL}")
+    engine = Engine(load_model(EMBEDDED_MODEL), EngineConfig(max_model_len=2048, pool_tokens=16384))
+    engine.warm_up()
+    rates = measure_rates(engine)
+    crossover = rates.crossover_tokens()
+    note = None
+    if crossover is None:
+        note = "recompute is cheaper at every length: swapping never pays on this machine"
+    return SchedulerBenchReport(
+        machine_description(),
+        overhead,
+        EMBEDDED_MODEL,
+        rates.prefill_tokens_per_s,
+        rates.copy_bytes_per_s,
+        crossover,
+        note,
+    )
+
+
+def render(report: SchedulerBenchReport) -> str:
+    lines = [
+        "kvd bench scheduler: host time per step (scheduling, KV bookkeeping, batch assembly;",
+        "the model call excluded), all sequences decoding, four tenants",
+        f"machine: {report.machine}",
+        "",
+        f"{'running':>8} {'steps':>6} {'mean ms':>9} {'p50 ms':>8} {'p99 ms':>8} {'model ms':>9}",
+    ]
+    for f in report.overhead:
+        lines.append(
+            f"{f.running:>8} {f.steps:>6} {f.mean_ms:>9.3f} {f.p50_ms:>8.3f} {f.p99_ms:>8.3f} "
+            f"{f.device_ms:>9.2f}"
+        )
+    if report.prefill_tokens_per_s is not None and report.copy_bytes_per_s is not None:
+        lines += [
+            "",
+            f"preemption cost model on {report.rates_model}:",
+            f"  prefill        {report.prefill_tokens_per_s:,.0f} tokens/s",
+            f"  device<->host  {report.copy_bytes_per_s / 1e9:,.2f} GB/s",
+            "  crossover      "
+            + (
+                f"swap is cheaper above {report.crossover_tokens:,} tokens"
+                if report.crossover_tokens is not None
+                else str(report.crossover_note)
+            ),
+        ]
+    return "\n".join(lines)
