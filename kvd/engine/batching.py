@@ -34,8 +34,53 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+class TableCache:
+    """Block tables kept as rows of one int32 array, rewritten only when a
+    sequence's tables change (its ``table_version`` moves): a decode step then
+    gathers rows instead of converting every table from Python lists."""
+
+    def __init__(self, groups: int, rows: int, width: int) -> None:
+        self.array = np.zeros((groups, rows + 1, width), np.int32)  # row 0 stays null
+        self._rows: dict[int, tuple[int, int, Sequence]] = {}  # seq id -> (row, version, seq)
+        self._free = list(range(rows, 0, -1))
+
+    def row(self, seq: Sequence) -> int:
+        entry = self._rows.get(seq.seq_id)
+        if entry is not None and entry[2] is seq:
+            row, version, _ = entry
+            if version == seq.table_version:
+                return row
+        else:
+            if entry is not None:  # the id was reused by a new sequence
+                self._free.append(entry[0])
+            if not self._free:
+                self._reclaim()
+            row = self._free.pop()
+        blocks = seq.num_blocks
+        self.array[:, row, :] = 0
+        if blocks:
+            self.array[:, row, :blocks] = seq.tables
+        self._rows[seq.seq_id] = (row, seq.table_version, seq)
+        return row
+
+    def _reclaim(self) -> None:
+        from kvd.kv.sequence import KVState
+
+        for seq_id, (row, _, seq) in list(self._rows.items()):
+            if seq.state is not KVState.RESIDENT:
+                del self._rows[seq_id]
+                self._free.append(row)
+        if not self._free:
+            raise RuntimeError("more resident sequences than table rows")
+
+
 def build_step_batch(
-    work: Seq[tuple[Sequence, int]], layout: PageLayout, num_tokens: int, num_seqs: int, width: int
+    work: Seq[tuple[Sequence, int]],
+    layout: PageLayout,
+    num_tokens: int,
+    num_seqs: int,
+    width: int,
+    cache: TableCache | None = None,
 ) -> StepBatch:
     """Arrays for computing ``n`` more tokens of each sequence (pages allocated).
 
@@ -44,28 +89,37 @@ def build_step_batch(
     read an all-null table row; their outputs are never used.
     """
     bs = layout.block_size
-    groups = layout.num_groups
+    count = len(work)
+    lengths = np.fromiter((n for _, n in work), np.int32, count)
+    starts = np.fromiter((seq.num_computed for seq, _ in work), np.int32, count)
+    total = int(lengths.sum())
     tokens = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
-    seq_index = np.zeros(num_tokens, np.int32)
-    write_pages = np.zeros((groups, num_tokens), np.int32)
-    tables = np.zeros((groups, num_seqs, width), np.int32)
+    seq_index = np.full(num_tokens, count if count < num_seqs else 0, np.int32)
+    if total == count:  # all decodes: one token each
+        tokens[:count] = [seq.tokens[seq.num_computed] for seq, _ in work]
+        positions[:count] = starts
+        seq_index[:count] = np.arange(count, dtype=np.int32)
+    else:
+        tokens[:total] = [
+            t for seq, n in work for t in seq.tokens[seq.num_computed : seq.num_computed + n]
+        ]
+        first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        positions[:total] = np.repeat(starts, lengths) + np.arange(total, dtype=np.int32) - first
+        seq_index[:total] = np.repeat(np.arange(count, dtype=np.int32), lengths)
+    if cache is not None:
+        rows = np.zeros(num_seqs, np.int32)
+        rows[:count] = [cache.row(seq) for seq, _ in work]
+        tables = cache.array[:, rows, :width]
+    else:
+        tables = np.zeros((layout.num_groups, num_seqs, width), np.int32)
+        for row, (seq, _) in enumerate(work):
+            if seq.num_blocks:
+                tables[:, row, : seq.num_blocks] = seq.tables
+    write_pages = tables[:, seq_index, positions // bs]  # [Gp, T]
+    write_pages[:, total:] = 0  # padding writes into the null page
     sample_index = np.zeros(num_seqs, np.int32)
-    at = 0
-    for row, (seq, n) in enumerate(work):
-        start = seq.num_computed
-        span = slice(at, at + n)
-        tokens[span] = seq.tokens[start : start + n]
-        pos = np.arange(start, start + n, dtype=np.int32)
-        positions[span] = pos
-        seq_index[span] = row
-        for g, table in enumerate(seq.tables):
-            tables[g, row, : len(table)] = table
-            write_pages[g, span] = tables[g, row, pos // bs]
-        at += n
-        sample_index[row] = at - 1
-    if at < num_tokens and len(work) < num_seqs:
-        seq_index[at:] = len(work)
+    sample_index[:count] = np.cumsum(lengths) - 1
     return StepBatch(
         tokens=jnp.asarray(tokens),
         positions=jnp.asarray(positions),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 
-from kvd.engine.batching import bucket, build_step_batch, powers_of_two
+from kvd.engine.batching import TableCache, bucket, build_step_batch, powers_of_two
 from kvd.engine.loader import LoadedModel
 from kvd.engine.model import EngineSpec, Params, StepBatch, body, head, prepare_params
 from kvd.engine.sampling import MAX_STOP_IDS, SamplingBatch, SamplingParams, sample
@@ -132,6 +132,7 @@ class Engine:
         self.late_compiles = 0  # programs compiled after warm_up(): a bucketing bug
         self.device_seconds = 0.0  # time in device programs and their results, all steps
         self._warm = False
+        self._tables = TableCache(self.layout.num_groups, 4 * cfg.max_num_seqs, max_blocks)
         self._next_id = 0
 
     # -- shapes ----------------------------------------------------------------------
@@ -240,6 +241,7 @@ class Engine:
             tokens_bucket,
             self.config.max_num_seqs,
             width,
+            self._tables,
         )
         sampling = _sampling_arrays([(p, seq.num_computed + n) for seq, n, p in work], seqs)
         body_program = self._program(
@@ -342,27 +344,25 @@ class Engine:
 
 
 def _sampling_arrays(entries: list[tuple[SamplingParams, int]], rows: int) -> SamplingBatch:
-    temperature = np.zeros(rows, np.float32)
-    top_k = np.zeros(rows, np.int32)
-    top_p = np.ones(rows, np.float32)
-    seeds = np.zeros(rows, np.uint32)
-    positions = np.zeros(rows, np.int32)
+    count = len(entries)
+
+    def column(values: list[Any], dtype: Any, fill: Any) -> jax.Array:
+        array = np.full(rows, fill, dtype)
+        array[:count] = values
+        return jnp.asarray(array)
+
+    params = [p for p, _ in entries]
+    seeds = [p.seed if p.seed is not None else np.random.randint(0, 2**31) for p in params]
     stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
-    want_logprobs = np.zeros(rows, np.bool_)
-    for row, (p, position) in enumerate(entries):
-        want_logprobs[row] = p.logprobs
-        temperature[row] = p.temperature
-        top_k[row] = p.top_k
-        top_p[row] = p.top_p
-        seeds[row] = p.seed if p.seed is not None else np.random.randint(0, 2**31)
-        positions[row] = position
-        stop_ids[row, : len(p.stop_token_ids)] = p.stop_token_ids
+    for row, p in enumerate(params):
+        if p.stop_token_ids:
+            stop_ids[row, : len(p.stop_token_ids)] = p.stop_token_ids
     return SamplingBatch(
-        jnp.asarray(temperature),
-        jnp.asarray(top_k),
-        jnp.asarray(top_p),
-        jnp.asarray(seeds),
-        jnp.asarray(positions),
+        column([p.temperature for p in params], np.float32, 0.0),
+        column([p.top_k for p in params], np.int32, 0),
+        column([p.top_p for p in params], np.float32, 1.0),
+        column(seeds, np.uint32, 0),
+        column([position for _, position in entries], np.int32, 0),
         jnp.asarray(stop_ids),
-        jnp.asarray(want_logprobs),
+        column([p.logprobs for p in params], np.bool_, False),
     )

@@ -237,6 +237,7 @@ class KVManager:
                     drop(page, tenant)
         for table in seq.tables:
             table.clear()
+        seq.table_version += 1
 
     # -- prefix lookup ---------------------------------------------------------
 
@@ -378,6 +379,22 @@ class KVManager:
             demand.charges == 0 or demand.charges <= self.ledger.headroom(tenant)
         )
 
+    def extend_in_place(self, seq: Sequence, num_tokens: int) -> bool:
+        """The decode fast path: slots for ``num_tokens`` more tokens of a resident
+        sequence when its last block has room (no page, no budget involved).
+        False means the caller needs the full ``demand`` / ``allocate`` path."""
+        new = seq.num_computed + num_tokens
+        if (
+            seq.state is KVState.RESIDENT
+            and num_tokens >= 1
+            and new <= seq.num_blocks * self.block_size
+            and new <= len(seq.tokens)
+            and self.sequences.get(seq.seq_id) is seq
+        ):
+            seq.num_allocated = new
+            return True
+        return False
+
     def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:
         """Reference pages for the next ``num_tokens`` tokens (after ``hit``, if any).
 
@@ -402,6 +419,7 @@ class KVManager:
             for g, table in enumerate(seq.tables):
                 table += pages[g * needed : (g + 1) * needed]
             seq.num_blocks += needed
+            seq.table_version += 1
         seq.num_allocated = seq.num_computed + num_tokens
 
     def _start(self, seq: Sequence, hit: PrefixHit | None) -> None:
@@ -419,6 +437,7 @@ class KVManager:
                     touch(page, tenant)
             table += pages
         seq.num_blocks = hit.num_blocks
+        seq.table_version += 1
         seq.num_computed = seq.num_allocated = seq.cached_tokens = hit.num_tokens
         seq.sliding_start = hit.sliding_start
         self.prefix_hit_tokens += hit.num_tokens
@@ -476,6 +495,7 @@ class KVManager:
                     drop(page, tenant)
                     table[block] = NULL_PAGE
         seq.sliding_start = first_needed
+        seq.table_version += 1
 
     # -- swapping ----------------------------------------------------------------
 
@@ -527,6 +547,7 @@ class KVManager:
                 table[block] = page = next(pages)
                 copies.append(PageCopy(g, block, page))
             seq.tables[g] = table
+        seq.table_version += 1
         seq.swapped_blocks = None
         seq.state = KVState.RESIDENT
         seq.num_allocated = seq.num_computed

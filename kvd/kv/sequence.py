@@ -34,6 +34,7 @@ class Sequence:
         "num_computed",
         "num_allocated",
         "tables",
+        "table_version",
         "num_blocks",
         "sliding_start",
         "hashes",
@@ -62,6 +63,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose K/V are written
         self.num_allocated = 0  # tokens with a slot: computed + allocated for the next step
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
+        self.table_version = 0  # bumped on every change of ``tables`` (for device-side caches)
         self.num_blocks = 0
         self.sliding_start = 0  # sliding groups hold no page below this block
         self.hashes: list[bytes] = []

@@ -393,6 +393,8 @@ class Scheduler:
         seq = request.seq
         assert seq is not None
         kv = self.kv
+        if hit is None and kv.extend_in_place(seq, n):
+            return True
         demand = kv.demand(seq, n, hit)
         if kv.fits(request.tenant, demand):
             kv.allocate(seq, n, hit)

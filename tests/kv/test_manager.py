@@ -393,3 +393,16 @@ def test_a_prefix_replaced_under_the_same_name_does_not_publish_old_blocks() -> 
     assert kv.ledger.accounts[SHARED_ACCOUNT].used == 0
     assert sum(p is not None for p in kv.pool.public) <= kv.ledger.public_bound
     kv.check_invariants()
+
+
+def test_extend_in_place_is_the_decode_fast_path(layout: PageLayout) -> None:
+    kv = make_kv(layout)
+    seq = kv.add_sequence(1, "a", list(range(6)))
+    assert not kv.extend_in_place(seq, 1)  # waiting: the full path is needed
+    compute(kv, seq, 5)
+    assert kv.extend_in_place(seq, 1)  # position 5 lies in block 1, already held
+    kv.commit(seq, 1)
+    kv.append_tokens(seq, [1, 2, 3])
+    assert kv.extend_in_place(seq, 2) and not kv.extend_in_place(seq, 3)  # 9 needs block 2
+    assert not kv.extend_in_place(seq, 0)
+    kv.check_invariants()
