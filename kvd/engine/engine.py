@@ -352,7 +352,8 @@ def _sampling_arrays(entries: list[tuple[SamplingParams, int]], rows: int) -> Sa
         return jnp.asarray(array)
 
     params = [p for p, _ in entries]
-    seeds = [p.seed if p.seed is not None else np.random.randint(0, 2**31) for p in params]
+    fresh = np.random.randint(0, 2**31, count).tolist()  # for requests without a seed
+    seeds = [p.seed if p.seed is not None else r for p, r in zip(params, fresh, strict=True)]
     stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
     for row, p in enumerate(params):
         if p.stop_token_ids:

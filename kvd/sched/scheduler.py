@@ -173,6 +173,8 @@ class Scheduler:
         self.tenant_stats: dict[str, TenantStats] = {}
         self.steps = 0
         self._seq_ids = itertools.count(1)
+        tokenizer = getattr(engine.model, "tokenizer", None)
+        self._stop_ids = tokenizer.stop_ids() if tokenizer is not None else frozenset()
         self._ttft: list[float] = []
         self._itl: list[float] = []
         self._queue: list[float] = []
@@ -289,8 +291,15 @@ class Scheduler:
         batch = [(r.seq, n, r.params) for r, n in work if r.seq is not None]
         tokens, logprobs, stopped = self.engine.step(batch)
         now = self.clock()
-        for (request, _), token, logprob, stop in zip(work, tokens, logprobs, stopped, strict=True):
-            self._emit(request, int(token), float(logprob), bool(stop), now, events)
+        served: dict[str, int] = {}
+        for (request, _), token, logprob, stop in zip(
+            work, tokens.tolist(), logprobs.tolist(), stopped.tolist(), strict=True
+        ):
+            if self._emit(request, token, logprob, stop, now, events):
+                served[request.tenant] = served.get(request.tenant, 0) + 1
+        for tenant, count in served.items():  # fair share and counters, once per tenant
+            self.counters.charge(tenant, output_tokens=count)
+            self.tenant_stats[tenant].completion_tokens += count
         return events
 
     def _order(self, requests: list[Request]) -> list[Request]:
@@ -461,15 +470,14 @@ class Scheduler:
         stopped: bool,
         now: float,
         events: list[StepEvent],
-    ) -> None:
+    ) -> bool:
+        """Record a sampled token; False if the step computed no token to keep."""
         seq = request.seq
         if seq is None or request.state is not RequestState.RUNNING:
-            return
+            return False
         if seq.num_computed < len(seq.tokens):
-            return  # a prefill chunk: nothing sampled yet
+            return False  # a prefill chunk: nothing sampled yet
         request.output.append(token)
-        self.counters.charge(request.tenant, output_tokens=1)
-        self.tenant_stats[request.tenant].completion_tokens += 1
         if request.first_token_at is None:
             request.first_token_at = now
             self._ttft.append(now - request.arrival)
@@ -479,15 +487,15 @@ class Scheduler:
         reason = self._finish_reason(request, token, stopped)
         events.append(StepEvent(request.request_id, token, logprob, reason is not None, reason))
         if reason is None:
-            self.kv.append_tokens(seq, [token])
+            self.kv.append_tokens(seq, (token,))
         else:
             self._finish(request, reason)
+        return True
 
     def _finish_reason(self, request: Request, token: int, stopped: bool) -> str | None:
         if stopped:
             return "stop"
-        tokenizer = getattr(self.engine.model, "tokenizer", None)
-        if tokenizer is not None and token in tokenizer.stop_ids():
+        if token in self._stop_ids:
             return "stop"
         if len(request.output) >= request.params.max_tokens:
             return "length"
