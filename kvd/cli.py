@@ -100,6 +100,17 @@ def generate(
         click.echo(result.text)
 
 
+def _positive_list(text: str, option: str) -> tuple[int, ...]:
+    """Comma-separated positive integers, or a one-line usage error."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        fail(f"{option} must be comma-separated integers, got {text!r}")
+    if any(n < 1 for n in sizes):
+        fail(f"{option} sizes must be positive")
+    return sizes
+
+
 @cli.group()
 def bench() -> None:
     """Benchmarks that print figures for this machine."""
@@ -121,12 +132,7 @@ def bench_kv(steps: int, running: str, model: str, block_size: int, as_json: boo
     from kvd.bench.kv import render, run_kv_bench
     from kvd.kv.geometry import GeometryError
 
-    try:
-        sizes = tuple(int(part) for part in running.split(","))
-    except ValueError:
-        fail(f"--running must be comma-separated integers, got {running!r}")
-    if any(n < 1 for n in sizes):
-        fail("--running sizes must be positive")
+    sizes = _positive_list(running, "--running")
     try:
         report = run_kv_bench(sizes, steps, model, block_size)
     except GeometryError as exc:
@@ -147,12 +153,7 @@ def bench_decode(
     """Decode throughput and TTFT of the embedded model, with transformers as the baseline."""
     from kvd.bench.decode import render, run_decode_bench
 
-    try:
-        sizes = tuple(int(part) for part in batches.split(","))
-    except ValueError:
-        fail(f"--batches must be comma-separated integers, got {batches!r}")
-    if any(n < 1 for n in sizes):
-        fail("--batches sizes must be positive")
+    sizes = _positive_list(batches, "--batches")
     report = run_decode_bench(
         sizes, prompt_len, new_tokens, dtype, not no_baseline, lambda t: click.echo(t, err=True)
     )
@@ -168,12 +169,7 @@ def bench_scheduler(running: str, steps: int, no_crossover: bool, as_json: bool)
     """Scheduler host overhead per step, and the measured recompute/swap crossover."""
     from kvd.bench.scheduler import render, run_scheduler_bench
 
-    try:
-        sizes = tuple(int(part) for part in running.split(","))
-    except ValueError:
-        fail(f"--running must be comma-separated integers, got {running!r}")
-    if any(n < 1 for n in sizes):
-        fail("--running sizes must be positive")
+    sizes = _positive_list(running, "--running")
     report = run_scheduler_bench(
         sizes, steps, not no_crossover, lambda text: click.echo(text, err=True)
     )

@@ -44,7 +44,7 @@ class SchedulerBenchReport(msgspec.Struct, frozen=True):
 def _tiny_model() -> object:
     from kvd.engine.config import ModelConfig
     from kvd.engine.loader import LoadedModel
-    from kvd.engine.weights import expected_shapes
+    from kvd.engine.weights import random_params
     from kvd.kv.geometry import interleaved_kinds
 
     config = ModelConfig(
@@ -61,19 +61,7 @@ def _tiny_model() -> object:
         max_position=256,
         query_pre_attn_scalar=16.0,
     )
-    rng = np.random.default_rng(0)
-    layers = [
-        {
-            name: (rng.standard_normal(shape) * 0.1).astype(np.float32)
-            for name, shape in expected_shapes(config, i).items()
-        }
-        for i in range(config.num_layers)
-    ]
-    params = {
-        "embed": rng.standard_normal((256, 32)).astype(np.float32),
-        "final_norm": np.ones(32, np.float32),
-        "layers": layers,
-    }
+    params = random_params(config)
     return LoadedModel(config, params, None, "random", 0.0)  # type: ignore[arg-type]
 
 

@@ -79,6 +79,25 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """Random weights of the right shapes (f32): for tests and benchmarks of
+    everything around the model, where any deterministic model will do."""
+    rng = np.random.default_rng(seed)
+    layers = []
+    for layer in range(cfg.num_layers):
+        params = {}
+        for name, shape in expected_shapes(cfg, layer).items():
+            if "norm" in name or name == "layer_scalar":
+                params[name] = (1.0 + rng.standard_normal(shape) * 0.3).astype(np.float32)
+            else:
+                params[name] = (rng.standard_normal(shape) * 0.3 / np.sqrt(shape[0])).astype(
+                    np.float32
+                )
+        layers.append(params)
+    embed = rng.standard_normal((cfg.vocab_size, cfg.hidden_size)).astype(np.float32)
+    return {"embed": embed, "final_norm": np.ones(cfg.hidden_size, np.float32), "layers": layers}
+
+
 def _check(name: str, array: np.ndarray[Any, Any], shape: tuple[int, ...]) -> None:
     if array.shape != shape:
         raise WeightsError(f"tensor {name} has shape {array.shape}, the model needs {shape}")

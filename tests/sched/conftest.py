@@ -9,13 +9,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 
 from kvd.engine.config import ModelConfig
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel
-from kvd.engine.weights import expected_shapes
+from kvd.engine.weights import random_params
 from kvd.kv.geometry import interleaved_kinds
 
 TINY = ModelConfig(
@@ -35,19 +34,7 @@ TINY = ModelConfig(
 
 
 def tiny_model(seed: int = 0) -> LoadedModel:
-    rng = np.random.default_rng(seed)
-    layers = []
-    for layer in range(TINY.num_layers):
-        params = {}
-        for name, shape in expected_shapes(TINY, layer).items():
-            scale = 0.3 if "norm" in name else 0.3 / np.sqrt(shape[0])
-            center = 1.0 if "norm" in name else 0.0
-            params[name] = (center + rng.standard_normal(shape) * scale).astype(np.float32)
-        layers.append(params)
-    embed = rng.standard_normal((TINY.vocab_size, TINY.hidden_size)).astype(np.float32)
-    final_norm = np.ones(TINY.hidden_size, np.float32)
-    params = {"embed": embed, "final_norm": final_norm, "layers": layers}
-    return LoadedModel(TINY, params, None, "random", 0.0)  # type: ignore[arg-type]
+    return LoadedModel(TINY, random_params(TINY, seed), None, "random", 0.0)  # type: ignore[arg-type]
 
 
 ENGINE = EngineConfig(
