@@ -133,6 +133,9 @@ class Engine:
         self.device_seconds = 0.0  # time in device programs and their results, all steps
         self._warm = False
         self._tables = TableCache(self.layout.num_groups, 4 * cfg.max_num_seqs, max_blocks)
+        tokenizer = model.tokenizer
+        # EOS and end-of-turn end every generation (no tokenizer: a bare model in tests).
+        self.stop_ids = tokenizer.stop_ids() if tokenizer is not None else frozenset()
         self._next_id = 0
 
     # -- shapes ----------------------------------------------------------------------
@@ -334,7 +337,7 @@ class Engine:
     def _finish_reason(
         self, result: Generation, p: SamplingParams, stopped: bool, token: int, seq: Sequence
     ) -> str | None:
-        if stopped or token in self.model.tokenizer.stop_ids():
+        if stopped or token in self.stop_ids:
             return "stop"
         if len(result.completion_ids) >= p.max_tokens:
             return "length"

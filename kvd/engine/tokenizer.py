@@ -74,7 +74,7 @@ class Tokenizer:
                 f"GGUF tokenizer model {metadata.get('tokenizer.ggml.model')!r} is not "
                 "SentencePiece ('llama'); kvd reads Gemma's SentencePiece vocabularies"
             )
-        piece_type = pb.ModelProto.SentencePiece
+        piece_type = pb.ModelProto.SentencePiece  # type: ignore[attr-defined]
         kinds = {
             _NORMAL: piece_type.NORMAL,
             _UNKNOWN: piece_type.UNKNOWN,
@@ -84,7 +84,7 @@ class Tokenizer:
             _BYTE: piece_type.BYTE,
         }
         unk = int(metadata.get("tokenizer.ggml.unknown_token_id", 3))
-        proto = pb.ModelProto()
+        proto = pb.ModelProto()  # type: ignore[attr-defined]
         for index, (token, score, kind) in enumerate(
             zip(tokens, scores.tolist(), types.tolist(), strict=True)
         ):
@@ -93,7 +93,7 @@ class Tokenizer:
             piece.score = score
             piece.type = piece_type.UNKNOWN if index == unk else kinds.get(kind, piece_type.NORMAL)
         trainer = proto.trainer_spec
-        trainer.model_type = pb.TrainerSpec.BPE
+        trainer.model_type = pb.TrainerSpec.BPE  # type: ignore[attr-defined]
         trainer.vocab_size = len(tokens)
         trainer.byte_fallback = True
         trainer.split_digits = True

@@ -173,8 +173,6 @@ class Scheduler:
         self.tenant_stats: dict[str, TenantStats] = {}
         self.steps = 0
         self._seq_ids = itertools.count(1)
-        tokenizer = getattr(engine.model, "tokenizer", None)
-        self._stop_ids = tokenizer.stop_ids() if tokenizer is not None else frozenset()
         self._ttft: list[float] = []
         self._itl: list[float] = []
         self._queue: list[float] = []
@@ -495,7 +493,7 @@ class Scheduler:
     def _finish_reason(self, request: Request, token: int, stopped: bool) -> str | None:
         if stopped:
             return "stop"
-        if token in self._stop_ids:
+        if token in self.engine.stop_ids:
             return "stop"
         if len(request.output) >= request.params.max_tokens:
             return "length"
