@@ -7,9 +7,12 @@ buckets, so a step after warm-up never compiles.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from typing import Any
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from kvd.engine.model import StepBatch
@@ -121,11 +124,39 @@ def build_step_batch(
     sample_index = np.zeros(num_seqs, np.int32)
     sample_index[:count] = np.cumsum(lengths) - 1
     return StepBatch(
-        tokens=jnp.asarray(tokens),
-        positions=jnp.asarray(positions),
-        seq_index=jnp.asarray(seq_index),
-        write_pages=jnp.asarray(write_pages),
-        write_offsets=jnp.asarray(positions % bs),
-        tables=jnp.asarray(tables),
-        sample_index=jnp.asarray(sample_index),
+        tokens=tokens,
+        positions=positions,
+        seq_index=seq_index,
+        write_pages=write_pages,
+        write_offsets=positions % bs,
+        tables=tables,
+        sample_index=sample_index,
     )
+
+
+def pack(arrays: Iterable[Any]) -> np.ndarray[Any, Any]:
+    """Host arrays of one dtype flattened into one buffer: one transfer, not seven."""
+    return np.concatenate([np.ravel(a) for a in arrays])
+
+
+def unpack(flat: jax.Array, shapes: Seq[tuple[int, ...]]) -> list[jax.Array]:
+    """Inside jit: the arrays ``pack`` flattened, by their static shapes."""
+    out, at = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(flat[at : at + size].reshape(shape))
+        at += size
+    return out
+
+
+def batch_shapes(tokens: int, seqs: int, width: int, groups: int) -> list[tuple[int, ...]]:
+    """The shapes of a StepBatch's fields, in field order."""
+    return [
+        (tokens,),
+        (tokens,),
+        (tokens,),
+        (groups, tokens),
+        (tokens,),
+        (groups, seqs, width),
+        (seqs,),
+    ]

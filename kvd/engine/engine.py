@@ -21,7 +21,15 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 
-from kvd.engine.batching import TableCache, bucket, build_step_batch, powers_of_two
+from kvd.engine.batching import (
+    TableCache,
+    batch_shapes,
+    bucket,
+    build_step_batch,
+    pack,
+    powers_of_two,
+    unpack,
+)
 from kvd.engine.loader import LoadedModel
 from kvd.engine.model import EngineSpec, Params, StepBatch, body, head, prepare_params
 from kvd.engine.sampling import MAX_STOP_IDS, SamplingBatch, SamplingParams, sample
@@ -51,19 +59,47 @@ class EngineError(ValueError):
 
 
 def run_body(
-    spec: EngineSpec, params: Params, pool: jax.Array, batch: StepBatch
+    spec: EngineSpec,
+    max_seqs: int,
+    params: Params,
+    pool: jax.Array,
+    flat: jax.Array,
+    *,
+    tokens: int,
+    width: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """The decoder stack; returns the hidden states of the rows to sample, ``[S_max, D]``."""
+    """The decoder stack over a packed StepBatch; returns the hidden states of
+    the rows to sample, ``[S_max, D]``, and the pool."""
+    groups = len(spec.group_slots)
+    batch = StepBatch(*unpack(flat, batch_shapes(tokens, max_seqs, width, groups)))
     hidden, pool = body(spec, params, pool, batch)
     return hidden[batch.sample_index], pool
 
 
 def head_and_sample(
-    spec: EngineSpec, params: Params, rows: jax.Array, sampling: SamplingBatch
+    spec: EngineSpec,
+    params: Params,
+    rows: jax.Array,
+    ints: jax.Array,
+    floats: jax.Array,
+    *,
+    seqs: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Logits and sampling for the first S rows (S = the sampling arrays' length)."""
-    rows = rows[: sampling.temperature.shape[0]]  # [S, D]
-    return sample(head(spec, params, rows), sampling)
+    """Logits and sampling for the first S rows, from packed sampling arrays."""
+    top_k, seeds, positions, want, stop_ids = unpack(
+        ints, [(seqs,), (seqs,), (seqs,), (seqs,), (seqs, MAX_STOP_IDS)]
+    )
+    temperature, top_p = unpack(floats, [(seqs,), (seqs,)])
+    sampling = SamplingBatch(
+        temperature,
+        top_k,
+        top_p,
+        jax.lax.bitcast_convert_type(seeds, jnp.uint32),
+        positions,
+        stop_ids,
+        want.astype(jnp.bool_),
+    )
+    return sample(head(spec, params, rows[:seqs]), sampling)
 
 
 @dataclass
@@ -117,8 +153,12 @@ class Engine:
         self.block_buckets = tuple(
             sorted({max(1, max_blocks // 16), max(1, max_blocks // 4), max_blocks})
         )
-        self._body = jax.jit(partial(run_body, self.spec), donate_argnums=(1,))
-        self._head = jax.jit(partial(head_and_sample, self.spec))
+        self._body = jax.jit(
+            partial(run_body, self.spec, cfg.max_num_seqs),
+            static_argnames=("tokens", "width"),
+            donate_argnums=(1,),
+        )
+        self._head = jax.jit(partial(head_and_sample, self.spec), static_argnames=("seqs",))
         # Swapping: pages gathered to the host and scattered back, in page-count buckets.
         self.page_buckets = powers_of_two(
             1, max(1, self.layout.pages_for_tokens(cfg.max_model_len))
@@ -173,12 +213,12 @@ class Engine:
         ``late_compiles``)."""
         return len(self._programs)
 
-    def _program(self, key: tuple[str, int, int], jitted: Any, *args: Any) -> Any:
+    def _program(self, key: tuple[str, int, int], jitted: Any, *args: Any, **static: Any) -> Any:
         program = self._programs.get(key)
         if program is None:
             # Ahead-of-time: compile without running (the persistent cache makes
             # this a disk read on a restart).
-            program = jitted.lower(*args).compile()
+            program = jitted.lower(*args, **static).compile()
             self._programs[key] = program
             if self._warm:
                 self.late_compiles += 1
@@ -189,15 +229,12 @@ class Engine:
         start = time.perf_counter()
         shapes = self.shape_buckets()
         total = len(shapes) + len(self.seq_buckets)
-        rows = self._rows_spec()
         for done, (tokens, width) in enumerate(shapes, 1):
-            batch = self._empty_batch(tokens, width)
-            self._program(("body", tokens, width), self._body, self.params, self.pool, batch)
+            self._body_program(tokens, width)
             if progress is not None:
                 progress(done, total, f"decoder: {tokens} tokens, {width} blocks")
         for done, seqs in enumerate(self.seq_buckets, len(shapes) + 1):
-            sampling = _sampling_arrays([], seqs)
-            self._program(("head", seqs, 0), self._head, self.params, rows, sampling)
+            self._head_program(seqs)
             if progress is not None:
                 progress(done, total, f"head and sampling: {seqs} sequences")
         elements = self.page_elements()
@@ -211,16 +248,29 @@ class Engine:
         self._warm = True
         return time.perf_counter() - start
 
-    def _empty_batch(self, tokens: int, width: int) -> StepBatch:
-        zeros_t = jnp.zeros(tokens, jnp.int32)
-        return StepBatch(
-            tokens=zeros_t,
-            positions=zeros_t,
-            seq_index=zeros_t,
-            write_pages=jnp.zeros((self.layout.num_groups, tokens), jnp.int32),
-            write_offsets=zeros_t,
-            tables=jnp.zeros((self.layout.num_groups, self.config.max_num_seqs, width), jnp.int32),
-            sample_index=jnp.zeros(self.config.max_num_seqs, jnp.int32),
+    def _body_program(self, tokens: int, width: int) -> Any:
+        size = sum(
+            math.prod(shape)
+            for shape in batch_shapes(
+                tokens, self.config.max_num_seqs, width, self.layout.num_groups
+            )
+        )
+        flat = jax.ShapeDtypeStruct((size,), jnp.int32)
+        return self._program(
+            ("body", tokens, width),
+            self._body,
+            self.params,
+            self.pool,
+            flat,
+            tokens=tokens,
+            width=width,
+        )
+
+    def _head_program(self, seqs: int) -> Any:
+        ints = jax.ShapeDtypeStruct((seqs * (4 + MAX_STOP_IDS),), jnp.int32)
+        floats = jax.ShapeDtypeStruct((seqs * 2,), jnp.float32)
+        return self._program(
+            ("head", seqs, 0), self._head, self.params, self._rows_spec(), ints, floats, seqs=seqs
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -246,16 +296,14 @@ class Engine:
             width,
             self._tables,
         )
-        sampling = _sampling_arrays([(p, seq.num_computed + n) for seq, n, p in work], seqs)
-        body_program = self._program(
-            ("body", tokens_bucket, width), self._body, self.params, self.pool, batch
-        )
-        head_program = self._program(
-            ("head", seqs, 0), self._head, self.params, self._rows_spec(), sampling
-        )
+        ints, floats = _sampling_arrays([(p, seq.num_computed + n) for seq, n, p in work], seqs)
+        body_program = self._body_program(tokens_bucket, width)
+        head_program = self._head_program(seqs)
         started = time.perf_counter()
-        rows, self.pool = body_program(self.params, self.pool, batch)
-        tokens, logprobs, stopped = head_program(self.params, rows, sampling)
+        rows, self.pool = body_program(self.params, self.pool, jnp.asarray(pack(batch)))
+        tokens, logprobs, stopped = head_program(
+            self.params, rows, jnp.asarray(ints), jnp.asarray(floats)
+        )
         tokens, logprobs, stopped = np.asarray(tokens), np.asarray(logprobs), np.asarray(stopped)
         self.device_seconds += time.perf_counter() - started
         for seq, n, _ in work:
@@ -346,13 +394,16 @@ class Engine:
         return None
 
 
-def _sampling_arrays(entries: list[tuple[SamplingParams, int]], rows: int) -> SamplingBatch:
+def _sampling_arrays(
+    entries: list[tuple[SamplingParams, int]], rows: int
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Per-sequence sampling parameters, packed: (int32 buffer, float32 buffer)."""
     count = len(entries)
 
-    def column(values: list[Any], dtype: Any, fill: Any) -> jax.Array:
+    def column(values: list[Any], dtype: Any, fill: Any) -> np.ndarray[Any, Any]:
         array = np.full(rows, fill, dtype)
         array[:count] = values
-        return jnp.asarray(array)
+        return array
 
     params = [p for p, _ in entries]
     fresh = np.random.randint(0, 2**31, count).tolist()  # for requests without a seed
@@ -361,12 +412,19 @@ def _sampling_arrays(entries: list[tuple[SamplingParams, int]], rows: int) -> Sa
     for row, p in enumerate(params):
         if p.stop_token_ids:
             stop_ids[row, : len(p.stop_token_ids)] = p.stop_token_ids
-    return SamplingBatch(
-        column([p.temperature for p in params], np.float32, 0.0),
-        column([p.top_k for p in params], np.int32, 0),
-        column([p.top_p for p in params], np.float32, 1.0),
-        column(seeds, np.uint32, 0),
-        column([position for _, position in entries], np.int32, 0),
-        jnp.asarray(stop_ids),
-        column([p.logprobs for p in params], np.bool_, False),
+    ints = pack(
+        [
+            column([p.top_k for p in params], np.int32, 0),
+            column(seeds, np.uint32, 0).view(np.int32),
+            column([position for _, position in entries], np.int32, 0),
+            column([p.logprobs for p in params], np.int32, 0),
+            stop_ids,
+        ]
     )
+    floats = pack(
+        [
+            column([p.temperature for p in params], np.float32, 0.0),
+            column([p.top_p for p in params], np.float32, 1.0),
+        ]
+    )
+    return ints, floats
