@@ -159,9 +159,11 @@ class Engine:
             donate_argnums=(1,),
         )
         self._head = jax.jit(partial(head_and_sample, self.spec), static_argnames=("seqs",))
-        # Swapping: pages gathered to the host and scattered back, in page-count buckets.
-        self.page_buckets = powers_of_two(
-            1, max(1, self.layout.pages_for_tokens(cfg.max_model_len))
+        # Swapping: pages gathered to the host and scattered back. Padding a copy
+        # costs little, so the page-count buckets grow by 4x (fewer programs).
+        most = max(16, self.layout.pages_for_tokens(cfg.max_model_len))
+        self.page_buckets = tuple(
+            sorted({*(16 * 4**i for i in range(8) if 16 * 4**i < most), most})
         )
         self._gather = jax.jit(lambda pool, pages: pool[pages])
         self._scatter = jax.jit(
