@@ -41,37 +41,14 @@ class SchedulerBenchReport(msgspec.Struct, frozen=True):
     crossover_note: str | None = None
 
 
-def _tiny_model() -> object:
-    from kvd.engine.config import ModelConfig
-    from kvd.engine.loader import LoadedModel
-    from kvd.engine.weights import random_params
-    from kvd.kv.geometry import interleaved_kinds
-
-    config = ModelConfig(
-        name="bench-tiny",
-        family="gemma3",
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        layer_kinds=interleaved_kinds(6, 3),
-        sliding_window=32,
-        max_position=256,
-        query_pre_attn_scalar=16.0,
-    )
-    params = random_params(config)
-    return LoadedModel(config, params, None, "random", 0.0)  # type: ignore[arg-type]
-
-
 def bench_overhead(running: int, steps: int) -> OverheadFigures:
     from kvd.engine.engine import Engine, EngineConfig
+    from kvd.engine.loader import random_model
     from kvd.engine.sampling import SamplingParams
     from kvd.sched.scheduler import Scheduler, TenantConfig
 
     engine = Engine(
-        _tiny_model(),  # type: ignore[arg-type]
+        random_model(vocab_size=256, sliding_window=32),
         EngineConfig(
             block_size=16,
             max_model_len=256,

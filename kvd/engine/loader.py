@@ -56,6 +56,29 @@ class LoadedModel:
     load_seconds: float
 
 
+def random_model(vocab_size: int, sliding_window: int, seed: int = 0) -> LoadedModel:
+    """A tiny Gemma 3 (6 layers, width 32) with random weights and no tokenizer:
+    for tests and benchmarks of everything around the model."""
+    from kvd.engine.weights import random_params
+    from kvd.kv.geometry import interleaved_kinds
+
+    config = ModelConfig(
+        name="tiny-random",
+        family="gemma3",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        layer_kinds=interleaved_kinds(6, 3),
+        sliding_window=sliding_window,
+        max_position=256,
+        query_pre_attn_scalar=16.0,
+    )
+    return LoadedModel(config, random_params(config, seed), None, "random", 0.0)  # type: ignore[arg-type]
+
+
 def embedded_gguf_path() -> Path:
     """The embedded model's GGUF file, assembled on first use."""
     target = cache_dir() / "models" / _EMBEDDED_FILE

@@ -11,30 +11,12 @@ from collections.abc import Callable
 
 import pytest
 
-from kvd.engine.config import ModelConfig
 from kvd.engine.engine import Engine, EngineConfig
-from kvd.engine.loader import LoadedModel
-from kvd.engine.weights import random_params
-from kvd.kv.geometry import interleaved_kinds
-
-TINY = ModelConfig(
-    name="tiny-sched",
-    family="gemma3",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    layer_kinds=interleaved_kinds(6, 3),
-    sliding_window=16,
-    max_position=256,
-    query_pre_attn_scalar=16.0,
-)
+from kvd.engine.loader import LoadedModel, random_model
 
 
 def tiny_model(seed: int = 0) -> LoadedModel:
-    return LoadedModel(TINY, random_params(TINY, seed), None, "random", 0.0)  # type: ignore[arg-type]
+    return random_model(vocab_size=64, sliding_window=16, seed=seed)
 
 
 ENGINE = EngineConfig(

@@ -237,3 +237,35 @@ def test_fair_share_between_backlogged_tenants(  # type: ignore[no-untyped-def]
         scheduler.cancel(request_id)
     scheduler.kv.check_invariants()
     assert scheduler.kv.pool.num_referenced() == 0
+
+
+def test_bench_scheduler_prints_figures() -> None:
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = shutil.which("kvd", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    out = subprocess.run(
+        [
+            exe,
+            "bench",
+            "scheduler",
+            "--running",
+            "8,16",
+            "--steps",
+            "3",
+            "--no-crossover",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [f["running"] for f in report["overhead"]] == [8, 16]
+    assert all(f["mean_ms"] > 0 and f["device_ms"] > 0 for f in report["overhead"])
