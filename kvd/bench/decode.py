@@ -139,7 +139,7 @@ def _transformers_baseline(
 
     say("loading the transformers baseline (f32)")
     model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     ).eval()
     figures = []
     for batch in batches:

@@ -63,7 +63,7 @@ def engine(model: LoadedModel) -> Engine:
 def oracle(model: LoadedModel) -> Any:
     gguf = embedded_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
     return hf.eval()
 
