@@ -51,6 +51,25 @@ _LAYER_FIELDS: dict[str, tuple[str, str | None, bool, bool]] = {
 }
 
 
+_HF, _GGUF = 0, 1  # spelling styles: index into _LAYER_FIELDS and _TOP_FIELDS
+_TOP_FIELDS = {
+    "embed": ("embed_tokens.weight", "token_embd.weight"),
+    "final_norm": ("norm.weight", "output_norm.weight"),
+}
+
+
+def checkpoint_name(path: str, style: int) -> str | None:
+    """The checkpoint's name for a pytree path ("embed", "layers.3.q", ...) in a
+    spelling style; None where that format has no such tensor."""
+    if path in _TOP_FIELDS:
+        return _TOP_FIELDS[path][style]
+    _, index, field = path.split(".")
+    suffix = _LAYER_FIELDS[field][style]
+    if suffix is None:
+        return None
+    return f"{'layers' if style == _HF else 'blk'}.{index}.{suffix}"
+
+
 def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """The tensors layer ``layer`` needs; Gemma 4's k_eq_v global layers have no V
     projection (K's projection feeds both), and Gemma 4 layers carry a scalar."""
@@ -150,15 +169,9 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any) -> 
                 break
 
     def fetch(path: str, _norm: bool) -> np.ndarray[Any, Any]:
-        if path == "embed":
-            hf = "embed_tokens.weight"
-        elif path == "final_norm":
-            hf = "norm.weight"
-        else:
-            _, index, field = path.split(".")
-            hf = f"layers.{index}.{_LAYER_FIELDS[field][0]}"
-        if hf not in stripped:
-            raise WeightsError(f"checkpoint has no tensor for {hf!r}")
+        hf = checkpoint_name(path, _HF)
+        if hf is None or hf not in stripped:
+            raise WeightsError(f"checkpoint has no tensor for {hf or path!r}")
         return np.asarray(stripped[hf], dtype=np.float32)
 
     # Gemma 3 checkpoints hold w for x * (1 + w); Gemma 4 multiplies by w itself.
@@ -264,16 +277,9 @@ def config_from_gguf(gguf: GGUFFile, name: str) -> ModelConfig:
 
 def params_from_gguf(cfg: ModelConfig, gguf: GGUFFile, dtype: Any) -> dict[str, Any]:
     def fetch(path: str, _norm: bool) -> np.ndarray[Any, Any]:
-        if path == "embed":
-            name = "token_embd.weight"
-        elif path == "final_norm":
-            name = "output_norm.weight"
-        else:
-            _, index, field = path.split(".")
-            suffix = _LAYER_FIELDS[field][1]
-            if suffix is None:
-                raise WeightsError(f"GGUF files have no tensor for {field}")
-            name = f"blk.{index}.{suffix}"
+        name = checkpoint_name(path, _GGUF)
+        if name is None:
+            raise WeightsError(f"GGUF files have no tensor for {path}")
         try:
             return gguf.load(name, np.float32)
         except GGUFError as exc:
