@@ -31,15 +31,18 @@ Params = dict[str, Any]
 
 
 class StepBatch(NamedTuple):
-    """One engine step: prefill chunks and decode tokens of many sequences."""
+    """One engine step: prefill chunks and decode tokens of many sequences.
 
-    tokens: jax.Array  # [T] int32; padding tokens are 0
-    positions: jax.Array  # [T] int32 position of each token in its sequence
-    seq_index: jax.Array  # [T] int32 row of each token's sequence in ``tables``
-    write_pages: jax.Array  # [Gp, T] int32 page per page group for each token's K/V
-    write_offsets: jax.Array  # [T] int32 offset of each token within its page
-    tables: jax.Array  # [Gp, S, W] int32 block tables; null page 0 where absent
-    sample_index: jax.Array  # [S] int32 token whose logits each sequence needs
+    Built on the host as numpy arrays; inside jit the fields are traced arrays.
+    """
+
+    tokens: Any  # [T] int32; padding tokens are 0
+    positions: Any  # [T] int32 position of each token in its sequence
+    seq_index: Any  # [T] int32 row of each token's sequence in ``tables``
+    write_pages: Any  # [Gp, T] int32 page per page group for each token's K/V
+    write_offsets: Any  # [T] int32 offset of each token within its page
+    tables: Any  # [Gp, S, W] int32 block tables; null page 0 where absent
+    sample_index: Any  # [S] int32 token whose logits each sequence needs
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
