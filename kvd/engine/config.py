@@ -137,14 +137,6 @@ PRESETS: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 
-def preset(name: str) -> ModelConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        known = ", ".join(sorted(PRESETS))
-        raise ConfigError(f"unknown model {name!r} (known presets: {known})") from None
-
-
 def from_hf_config(raw: dict[str, Any], name: str = "checkpoint") -> ModelConfig:
     """A ModelConfig from a Hugging Face ``config.json`` (Gemma 3 or Gemma 4 text)."""
     text = raw.get("text_config", raw)

@@ -72,15 +72,6 @@ class Account:
         return f"Account({self.name!r}, used={self.used}, res={self.reservation}, cap={self.cap})"
 
 
-class LedgerStats(msgspec.Struct, frozen=True):
-    name: str
-    used: int
-    reservation: int
-    cap: int | None
-    surplus: int
-    shortfall: int
-
-
 class Ledger:
     """Budgets and charges. ``capacity`` is the number of allocatable pages."""
 
@@ -182,16 +173,3 @@ class Ledger:
 
     def total_used(self) -> int:
         return sum(a.used for a in self.accounts.values())
-
-    def stats(self) -> list[LedgerStats]:
-        return [
-            LedgerStats(
-                a.name,
-                a.used,
-                a.reservation,
-                a.cap,
-                0 if a.name == SHARED_ACCOUNT else self.surplus(a.name),
-                0 if a.name == SHARED_ACCOUNT else self.shortfall(a.name),
-            )
-            for a in self.accounts.values()
-        ]

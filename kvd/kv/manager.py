@@ -165,9 +165,6 @@ class KVManager:
         """Forget all cached pages nobody uses; returns how many were freed."""
         return self.pool.flush()
 
-    def pages_for_tokens(self, tokens: int) -> int:
-        return self.layout.pages_for_tokens(tokens)
-
     # -- sequences -----------------------------------------------------------
 
     def add_sequence(
