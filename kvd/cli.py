@@ -15,13 +15,63 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--config", type=click.Path(dir_okay=False), help="TOML configuration file.")
-def serve(config: str | None) -> None:
-    """Run the daemon (needs the engine, scheduler and HTTP API: not yet built)."""
-    fail(
-        "kvd serve is not available yet: the KV core has landed, the JAX engine, "
-        "scheduler and HTTP API have not (see the project's open issues)",
-        code=1,
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="TOML configuration file (see etc/kvd.toml).",
+)
+@click.option(
+    "--listen", metavar="HOST:PORT", help="Override server.listen (port 0: any free port)."
+)
+@click.option("--admin-socket", metavar="PATH", help="Override server.admin_socket.")
+def serve(config_path: str, listen: str | None, admin_socket: str | None) -> None:
+    """Run the daemon: load the model, warm up, serve the HTTP API until SIGTERM."""
+    import trio
+
+    from kvd.server.config import ConfigError, load_config, parse_listen
+    from kvd.server.logs import configure_logging
+
+    try:
+        config = load_config(config_path)
+        if listen is not None:
+            parse_listen(listen)
+        if admin_socket is not None:
+            config = msgspec.structs.replace(
+                config, server=msgspec.structs.replace(config.server, admin_socket=admin_socket)
+            )
+    except ConfigError as exc:
+        fail(str(exc))
+    configure_logging()
+    from kvd.server.daemon import Daemon
+
+    daemon = Daemon(config, listen=listen)
+    try:
+        code = trio.run(daemon.run)
+    except (ConfigError, OSError) as exc:
+        fail(str(exc), code=1)
+    raise SystemExit(code)
+
+
+@cli.command("check-config")
+@click.argument("path", type=click.Path(dir_okay=False))
+def check_config(path: str) -> None:
+    """Validate a configuration file without starting anything."""
+    from kvd.server.config import ConfigError, load_config
+    from kvd.server.daemon import check_paths
+
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        fail(str(exc))
+    missing = check_paths(config)
+    if missing:
+        fail(f"{path}: no such file: {', '.join(missing)}")
+    tenants = ", ".join(t.name for t in config.tenants)
+    click.echo(
+        f"{path}: ok (model {config.served_model}, listen {config.server.listen}, "
+        f"tenants: {tenants})"
     )
 
 

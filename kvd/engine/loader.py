@@ -56,7 +56,9 @@ class LoadedModel:
     load_seconds: float
 
 
-def random_model(vocab_size: int, sliding_window: int, seed: int = 0) -> LoadedModel:
+def random_model(
+    vocab_size: int, sliding_window: int, seed: int = 0, max_position: int = 256
+) -> LoadedModel:
     """A tiny Gemma 3 (6 layers, width 32) with random weights and no tokenizer:
     for tests and benchmarks of everything around the model."""
     from kvd.engine.weights import random_params
@@ -73,10 +75,24 @@ def random_model(vocab_size: int, sliding_window: int, seed: int = 0) -> LoadedM
         head_dim=16,
         layer_kinds=interleaved_kinds(6, 3),
         sliding_window=sliding_window,
-        max_position=256,
+        max_position=max_position,
         query_pre_attn_scalar=16.0,
     )
     return LoadedModel(config, random_params(config, seed), None, "random", 0.0)  # type: ignore[arg-type]
+
+
+def random_model_with_tokenizer(max_position: int = 2048, seed: int = 0) -> LoadedModel:
+    """The tiny random model with the embedded model's tokenizer and vocabulary:
+    text in, (meaningless) text out, at almost no model cost. For exercising
+    the daemon, like vLLM's dummy weights."""
+    path = embedded_gguf_path()
+    with GGUFFile(path) as gguf:
+        tokenizer = _gguf_tokenizer(gguf, path)
+    model = random_model(tokenizer.vocab_size, sliding_window=32, seed=seed,
+                         max_position=max_position)
+    model.tokenizer = tokenizer
+    model.source = "random"
+    return model
 
 
 def embedded_gguf_path() -> Path:

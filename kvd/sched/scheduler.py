@@ -176,6 +176,9 @@ class Scheduler:
         self._ttft: list[float] = []
         self._itl: list[float] = []
         self._queue: list[float] = []
+        # Preemptions as they happen, (request id, tenant, kind), for the
+        # daemon's logs; bounded, so a caller that never reads costs nothing.
+        self.preemption_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
 
     # -- tenants ---------------------------------------------------------------
 
@@ -444,7 +447,10 @@ class Scheduler:
         stats = self.tenant_stats[request.tenant]
         del self.running[request.request_id]
         request.preemptions += 1
-        if kind == "swap" and seq.num_computed > 0:
+        if seq.num_computed == 0:
+            kind = "recompute"  # nothing computed yet: nothing to swap
+        self.preemption_log.append((request.request_id, request.tenant, kind))
+        if kind == "swap":
             copies = self.kv.begin_swap_out(seq)
             data = self.engine.copy_out([c.page for c in copies])
             self.kv.finish_swap_out(seq)

@@ -1,0 +1,330 @@
+"""OpenAI-compatible request bodies, and their translation into kvd's terms.
+
+Bodies reject unknown fields: a misspelt parameter is a 400 naming it, not a
+silently ignored setting. Parameters OpenAI defines that kvd does not
+implement are accepted only at their neutral value (``n=1``, no penalties,
+...), and refused with a message otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from kvd.engine.sampling import MAX_STOP_IDS, SamplingParams
+from kvd.engine.tokenizer import ChatMessage, Tokenizer, TokenizerError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+NonNegative = Annotated[float, Meta(ge=0)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+Count = Annotated[int, Meta(ge=1)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's error body format."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    @property
+    def type(self) -> str:
+        return {
+            401: "authentication_error",
+            403: "permission_error",
+            404: "not_found_error",
+            429: "rate_limit_error",
+        }.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    model: str
+    max_tokens: Count | None = None
+    temperature: NonNegative = 1.0
+    top_p: TopP = 1.0
+    n: Count = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions, as vLLM spells them.
+    top_k: Annotated[int, Meta(ge=-1)] = 0  # 0 or -1: off
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    priority: int | str | None = None  # a tier: its name, or its index (0 = most important)
+
+
+class CompletionRequest(_Common, forbid_unknown_fields=True, frozen=True):
+    prompt: str | list[Any] = ""
+    logprobs: Annotated[int, Meta(ge=0)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    type: str = "text"
+
+
+class ChatRequest(_Common, forbid_unknown_fields=True, frozen=True):
+    messages: list[Message] = msgspec.field(default_factory=list)
+    max_completion_tokens: Count | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+class Prepared(msgspec.Struct, frozen=True):
+    """A validated request in kvd's terms."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    tier: int | str | None
+    cache_salt: str | None
+
+
+_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def decode_body(body: bytes, kind: type[_Common]) -> Any:
+    """Decode a JSON body, or raise a 400 naming the offending field."""
+    if not body.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object", code="bad_body")
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH.search(message)
+        param = match.group(1) if match else None
+        if param is None:
+            unknown = re.search(r"unknown field `([^`]*)`", message)
+            param = unknown.group(1) if unknown else None
+        text = message[: match.start()] if match else message
+        raise ApiError(400, text, param=param or None, code="invalid_value") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="bad_json") from None
+
+
+def _unsupported(request: _Common) -> None:
+    checks: list[tuple[bool, str, str]] = [
+        (request.n != 1, "n", "only n=1 is supported"),
+        (request.presence_penalty != 0, "presence_penalty", "penalties are not supported"),
+        (request.frequency_penalty != 0, "frequency_penalty", "penalties are not supported"),
+        (bool(request.logit_bias), "logit_bias", "logit_bias is not supported"),
+    ]
+    if isinstance(request, CompletionRequest):
+        checks += [
+            (request.echo, "echo", "echo is not supported"),
+            (request.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
+            (bool(request.suffix), "suffix", "suffix is not supported"),
+            (
+                bool(request.logprobs),
+                "logprobs",
+                "only the chosen tokens' logprobs are returned: use logprobs=0",
+            ),
+        ]
+    if isinstance(request, ChatRequest):
+        checks += [
+            (
+                bool(request.top_logprobs),
+                "top_logprobs",
+                "only the chosen tokens' logprobs are returned: use logprobs=true alone",
+            ),
+            (bool(request.tools), "tools", "tool calls are not supported"),
+            (
+                request.response_format is not None and request.response_format.type != "text",
+                "response_format",
+                "only the text response format is supported",
+            ),
+        ]
+    for failed, param, message in checks:
+        if failed:
+            raise ApiError(400, message, param=param, code="unsupported")
+
+
+def _stops(request: _Common) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    stop = request.stop
+    strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    if any(not s or len(s) > MAX_STOP_LENGTH for s in strings):
+        raise ApiError(400, f"stop strings must be 1 to {MAX_STOP_LENGTH} characters", param="stop")
+    ids = tuple(request.stop_token_ids or ())
+    if len(ids) > MAX_STOP_IDS:
+        raise ApiError(400, f"at most {MAX_STOP_IDS} stop token ids", param="stop_token_ids")
+    return strings, ids
+
+
+def _token_prompt(prompt: list[Any], vocab: int) -> list[int]:
+    if prompt and all(isinstance(t, list | str) for t in prompt):
+        raise ApiError(
+            400,
+            "send one prompt per request (batches of prompts are not supported)",
+            param="prompt",
+            code="unsupported",
+        )
+    if not all(type(t) is int for t in prompt):
+        raise ApiError(400, "a prompt is a string or an array of token ids", param="prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(
+            400,
+            f"token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})",
+            param="prompt",
+            code="bad_token",
+        )
+    return list(prompt)
+
+
+def _chat_messages(messages: list[Message]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    for i, message in enumerate(messages):
+        role = "system" if message.role == "developer" else message.role
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ApiError(
+                        400,
+                        f"content part type {part.type!r} is not supported (text only)",
+                        param=f"messages[{i}].content",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        out.append(ChatMessage(role, content or ""))
+    return out
+
+
+def prepare(
+    request: _Common,
+    tokenizer: Tokenizer,
+    vocab: int,
+    max_model_len: int,
+) -> Prepared:
+    """Validate a decoded body against the model; raise ApiError (400/413)."""
+    _unsupported(request)
+    stop, stop_ids = _stops(request)
+    bad_stop = [t for t in stop_ids if not 0 <= t < vocab]
+    if bad_stop:
+        raise ApiError(
+            400, f"stop token id {bad_stop[0]} is outside the vocabulary", param="stop_token_ids"
+        )
+    if isinstance(request, ChatRequest):
+        if not request.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        try:
+            prompt = tokenizer.chat_prompt(_chat_messages(request.messages))
+        except TokenizerError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        want_logprobs = request.logprobs
+    else:
+        assert isinstance(request, CompletionRequest)
+        if isinstance(request.prompt, str):
+            if not request.prompt:
+                raise ApiError(400, "the prompt is empty", param="prompt")
+            prompt = tokenizer.encode(request.prompt)
+        else:
+            prompt = _token_prompt(request.prompt, vocab)
+            if not prompt:
+                raise ApiError(400, "the prompt is empty", param="prompt")
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        want_logprobs = request.logprobs is not None
+    if len(prompt) >= max_model_len:
+        raise ApiError(
+            413,
+            f"the prompt has {len(prompt)} tokens; this model's context is {max_model_len} "
+            "tokens, and at least one must be left for the completion",
+            param="messages" if isinstance(request, ChatRequest) else "prompt",
+            code="prompt_too_long",
+        )
+    room = max_model_len - len(prompt)
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise ApiError(
+            400,
+            f"this model's context is {max_model_len} tokens; the prompt has {len(prompt)} "
+            f"and max_tokens asks for {max_tokens} more",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    seed = None if request.seed is None else request.seed % 2**32
+    params = SamplingParams(
+        temperature=request.temperature,
+        top_k=max(0, request.top_k),
+        top_p=request.top_p,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop_token_ids=stop_ids,
+        stop=stop,
+        logprobs=want_logprobs,
+    )
+    return Prepared(
+        prompt=prompt,
+        params=params,
+        stream=request.stream,
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        tier=request.priority,
+        cache_salt=request.cache_salt,
+    )
+
+
+Endpoint = Literal["completions", "chat"]

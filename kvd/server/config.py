@@ -1,0 +1,290 @@
+"""The daemon's TOML configuration, decoded into msgspec Structs.
+
+Every section rejects unknown keys, so a typo is an error naming the key, not
+a silently ignored setting. Relative paths are taken from the configuration
+file's own directory, so a config works wherever the daemon is started from.
+
+Sizes of the pool and of tenant budgets take byte units (``"1GiB"``) or, for
+budgets, a share of the pool (``"25%"``); they become pages once the model's
+page size is known (``resolve_budgets``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+import msgspec
+
+from kvd.kv.ledger import BudgetMode
+from kvd.kv.scope import SharingPolicy
+from kvd.units import SizeError, parse_size
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the file and the key."""
+
+
+class ServerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    listen: str = "127.0.0.1:8000"
+    admin_socket: str = "/run/kvd/admin.sock"
+    admin_socket_mode: str = "0660"
+    admin_group: str | None = None
+    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    hard_deadline: float = 1.5  # seconds after the drain timeout before exiting regardless
+    max_body: str = "1MiB"
+    log_prompts: bool = False  # prompt and completion text in the logs (off: privacy)
+    queue_timeout: float | None = 600.0  # seconds a request may wait to start; None: forever
+    step_log_interval: float = 10.0  # seconds between engine.step summaries
+
+
+class ModelSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # "gemma3-270m" (embedded), a .gguf file, a checkpoint directory, or
+    # "random": a tiny random-weight Gemma 3 with the embedded tokenizer, for
+    # exercising the daemon without model cost (like vLLM's dummy weights).
+    source: str = "gemma3-270m"
+    name: str | None = None  # the id clients send as "model"; default: the source's name
+    dtype: str = "float32"
+    kv_dtype: str | None = None
+    max_model_len: int = 4096
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+
+
+class PoolSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    size: str = "auto"  # "auto" or a byte size
+    auto_fraction: float = 0.5  # of the memory left after the weights, for "auto"
+    block_size: int = 16
+
+
+class BudgetSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    mode: BudgetMode = BudgetMode.RESERVE
+    preemption: str = "auto"  # "auto" (measured cost model), "recompute" or "swap"
+
+
+class SharingSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    policy: SharingPolicy = SharingPolicy.PUBLIC
+
+
+class PrefixEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    text: str | None = None  # tokenized like a prompt (with BOS)
+    token_file: str | None = None  # JSON array of ids, or ids separated by whitespace
+
+
+class TenantEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    api_key_sha256: str  # hex digest of the bearer key; the key itself is never stored
+    reservation: str = "0"  # guaranteed pages: bytes ("256MiB") or a share ("25%")
+    burst_cap: str | None = None  # most pages at once; None: the whole pool
+    tier: str | None = None  # default: the most important tier
+    weight: float = 1.0  # fair-share weight
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    max_queue: int = 64
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    server: ServerSection = ServerSection()
+    model: ModelSection = ModelSection()
+    pool: PoolSection = PoolSection()
+    budget: BudgetSection = BudgetSection()
+    sharing: SharingSection = SharingSection()
+    tiers: list[str] = msgspec.field(default_factory=lambda: ["interactive", "batch"])
+    prefixes: list[PrefixEntry] = msgspec.field(default_factory=list)
+    tenants: list[TenantEntry] = msgspec.field(default_factory=list)
+    base_dir: str = ""  # set by load_config: where relative paths start
+
+    @property
+    def served_model(self) -> str:
+        if self.model.name:
+            return self.model.name
+        source = self.model.source
+        return source if "/" not in source else Path(source).name.removesuffix(".gguf")
+
+    def path(self, value: str) -> Path:
+        return (Path(self.base_dir) / value).resolve()
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a configuration file; raises ConfigError."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    if "base_dir" in raw:
+        raise ConfigError(f"{path}: unknown key 'base_dir'")
+    raw["base_dir"] = str(path.resolve().parent)
+    try:
+        config = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {_readable(str(exc))}") from None
+    try:
+        validate(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return config
+
+
+def _readable(message: str) -> str:
+    """msgspec says '... - at `$.tenants[0].weight`'; name the key TOML-style."""
+    match = re.search(r" - at `\$\.?(.*)`$", message)
+    if not match:
+        return message
+    return f"{match.group(1) or 'top level'}: {message[: match.start()]}"
+
+
+def validate(config: Config) -> None:
+    """Checks that need more than one key (what types alone cannot say)."""
+    server, model, pool = config.server, config.model, config.pool
+    _address(server.listen, "server.listen")
+    _mode(server.admin_socket_mode)
+    _positive("server.drain_timeout", server.drain_timeout, allow_zero=True)
+    _positive("server.hard_deadline", server.hard_deadline)
+    if server.queue_timeout is not None:
+        _positive("server.queue_timeout", server.queue_timeout)
+    _positive("server.step_log_interval", server.step_log_interval)
+    _size("server.max_body", server.max_body)
+    if model.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"model.dtype: {model.dtype!r} is not float32 or bfloat16")
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        _positive(f"model.{key}", getattr(model, key))
+    _positive("pool.block_size", pool.block_size)
+    if pool.size != "auto":
+        _size("pool.size", pool.size)
+    if not 0 < pool.auto_fraction <= 1:
+        raise ConfigError("pool.auto_fraction: must be in (0, 1]")
+    if config.budget.preemption not in ("auto", "recompute", "swap"):
+        raise ConfigError("budget.preemption: must be 'auto', 'recompute' or 'swap'")
+    if not config.tiers or len(set(config.tiers)) != len(config.tiers):
+        raise ConfigError("tiers: must be a non-empty list of distinct names")
+    names: set[str] = set()
+    for prefix in config.prefixes:
+        if prefix.name in names:
+            raise ConfigError(f"prefixes: the name {prefix.name!r} is used twice")
+        names.add(prefix.name)
+        if (prefix.text is None) == (prefix.token_file is None):
+            raise ConfigError(f"prefixes.{prefix.name}: give exactly one of text, token_file")
+    tenants: set[str] = set()
+    digests: set[str] = set()
+    for tenant in config.tenants:
+        where = f"tenants.{tenant.name}"
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", tenant.name):
+            raise ConfigError(f"{where}: a tenant name is 1-64 letters, digits, '_', '.', '-'")
+        if tenant.name in tenants:
+            raise ConfigError(f"{where}: the tenant is defined twice")
+        tenants.add(tenant.name)
+        if not _HEX64.fullmatch(tenant.api_key_sha256):
+            raise ConfigError(f"{where}.api_key_sha256: not a lowercase hex SHA-256 digest")
+        if tenant.api_key_sha256 in digests:
+            raise ConfigError(f"{where}.api_key_sha256: another tenant has the same key")
+        digests.add(tenant.api_key_sha256)
+        if tenant.tier is not None and tenant.tier not in config.tiers:
+            raise ConfigError(f"{where}.tier: unknown tier {tenant.tier!r}")
+        _positive(f"{where}.weight", tenant.weight)
+        _positive(f"{where}.max_queue", tenant.max_queue)
+        for key in ("requests_per_minute", "tokens_per_minute"):
+            value = getattr(tenant, key)
+            if value is not None:
+                _positive(f"{where}.{key}", value)
+        _share(f"{where}.reservation", tenant.reservation)
+        if tenant.burst_cap is not None:
+            _share(f"{where}.burst_cap", tenant.burst_cap)
+    if not config.tenants:
+        raise ConfigError("tenants: at least one tenant is needed to serve anyone")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _size(key: str, value: str) -> int:
+    try:
+        return parse_size(value)
+    except SizeError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def _share(key: str, value: str) -> None:
+    if value.endswith("%"):
+        fraction = _percent(key, value)
+        if not 0 <= fraction <= 1:
+            raise ConfigError(f"{key}: a share of the pool must be between 0% and 100%")
+    elif value != "0":
+        _size(key, value)
+
+
+def _percent(key: str, value: str) -> Decimal:
+    try:
+        return Decimal(value[:-1]) / 100
+    except InvalidOperation:
+        raise ConfigError(f"{key}: {value!r} is not a percentage") from None
+
+
+def _mode(value: str) -> int:
+    if not re.fullmatch(r"0?[0-7]{3}", value):
+        raise ConfigError(f"server.admin_socket_mode: {value!r} is not an octal mode like 0660")
+    return int(value, 8)
+
+
+def _address(value: str, key: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{key}: {value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    return _address(value, "listen")
+
+
+def socket_mode(config: Config) -> int:
+    return _mode(config.server.admin_socket_mode)
+
+
+def body_limit(config: Config) -> int:
+    return _size("server.max_body", config.server.max_body)
+
+
+def pages_of(key: str, value: str, page_bytes: int, pool_pages: int) -> int:
+    """A budget in pages: a share of the pool, or bytes rounded down to pages."""
+    if value.endswith("%"):
+        return int(_percent(key, value) * pool_pages)
+    if value == "0":
+        return 0
+    return _size(key, value) // page_bytes
+
+
+def read_token_file(path: Path) -> list[int]:
+    """Token ids from a JSON array or whitespace-separated integers."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    try:
+        ids = (
+            msgspec.json.decode(text, type=list[int])
+            if text.lstrip().startswith("[")
+            else [int(part) for part in text.split()]
+        )
+    except (msgspec.DecodeError, ValueError):
+        raise ConfigError(
+            f"{path}: not a JSON array of token ids nor ids separated by spaces"
+        ) from None
+    return ids

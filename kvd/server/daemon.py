@@ -1,0 +1,376 @@
+"""``kvd serve``: one trio process that owns the device, the engine and the
+scheduler, and serves tenants over HTTP.
+
+Lifecycle:
+1. Bind the listener at once (``/health`` answers, ``/ready`` says loading).
+2. In a worker thread: load the weights, size the pool, compile every shape
+   bucket (progress logged), measure the recompute and swap rates, apply
+   tenants and public prefixes. Then the engine task starts and ``/ready``
+   turns 200.
+3. SIGTERM/SIGINT: drain. New requests get 503; in-flight ones have
+   ``drain_timeout`` seconds to finish; what is left is aborted (its pages
+   released), the listener closes and the process exits 0. A second signal
+   exits at once (1). A hard deadline (``drain_timeout + hard_deadline``)
+   exits even if a client that stopped reading holds a connection open:
+   hypercorn's send cannot be cancelled, so only leaving the process ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from kvd import __version__
+from kvd.engine.engine import Engine, EngineConfig
+from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
+from kvd.kv.layout import build_layout
+from kvd.sched.costmodel import measure_rates
+from kvd.sched.ratelimit import RateLimits
+from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
+from kvd.server.config import (
+    Config,
+    ConfigError,
+    body_limit,
+    pages_of,
+    parse_listen,
+    read_token_file,
+)
+from kvd.server.http import ServerState, TenantAccess, create_app
+from kvd.server.metrics import Metrics
+from kvd.server.runtime import Runtime
+
+log = structlog.get_logger("kvd")
+
+TCP_USER_TIMEOUT_MS = 30_000  # unacknowledged data this long drops the connection
+
+
+@dataclass
+class Loaded:
+    scheduler: Scheduler
+    model: LoadedModel
+    pool_pages: int
+    page_bytes: int
+
+
+def _free_memory_bytes() -> int:
+    """Memory the pool may take: free device memory, or available host RAM on CPU."""
+    import jax
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("pool.size = 'auto' cannot find the free memory here: give a size")
+
+
+def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
+    """(pool tokens per page group, page bytes) for the configured pool size."""
+    from kvd.units import parse_size
+
+    kv_dtype = config.model.kv_dtype or config.model.dtype
+    layout = build_layout(model.config.kv_geometry(kv_dtype), config.pool.block_size)
+    if config.pool.size == "auto":
+        weights = sum(int(a.nbytes) for a in model.params.values())
+        budget = int((_free_memory_bytes() - weights) * config.pool.auto_fraction)
+    else:
+        budget = parse_size(config.pool.size)
+    pages = budget // layout.page_bytes
+    blocks = pages // layout.num_groups
+    if blocks < 1:
+        raise ConfigError(
+            f"pool: {budget} bytes hold no block of {layout.num_groups} pages "
+            f"of {layout.page_bytes} bytes"
+        )
+    return blocks * config.pool.block_size, layout.page_bytes
+
+
+def load(config: Config, progress: Callable[[str, dict[str, Any]], None]) -> Loaded:
+    """Everything before serving; runs in a worker thread."""
+    cfg = config.model
+    progress("lifecycle.loading", {"source": cfg.source, "dtype": cfg.dtype})
+    if cfg.source == "random":
+        model = random_model_with_tokenizer(max_position=max(cfg.max_model_len, 256))
+    else:
+        source = cfg.source
+        if "/" in source or source.endswith(".gguf"):
+            source = str(config.path(source))
+        model = load_model(source, cfg.dtype)
+    pool_tokens, page_bytes = _pool_tokens(config, model)
+    engine = Engine(
+        model,
+        EngineConfig(
+            dtype=cfg.dtype,
+            kv_dtype=cfg.kv_dtype,
+            block_size=config.pool.block_size,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            pool_tokens=pool_tokens,
+        ),
+    )
+    pool_pages = engine.kv.pool.capacity
+    progress(
+        "lifecycle.pool",
+        {"pages": pool_pages, "page_bytes": page_bytes, "tokens_per_group": pool_tokens},
+    )
+    last = [0.0]
+
+    def warm(done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        if done == total or now - last[0] >= 1.0:
+            last[0] = now
+            progress("lifecycle.warmup", {"done": done, "total": total, "compiling": what})
+
+    seconds = engine.warm_up(warm)
+    progress("lifecycle.warm", {"seconds": round(seconds, 2), "programs": engine.compiled_shapes()})
+    rates = measure_rates(engine)
+    # The calibration's prompts are nobody's: forget their pages and counts.
+    engine.kv.flush_cache()
+    engine.kv.prefix_query_tokens = engine.kv.prefix_hit_tokens = 0
+    progress(
+        "lifecycle.calibrated",
+        {
+            "prefill_tokens_per_s": round(rates.prefill_tokens_per_s, 1),
+            "copy_bytes_per_s": round(rates.copy_bytes_per_s),
+            "crossover_tokens": rates.crossover_tokens(),
+        },
+    )
+    scheduler = Scheduler(
+        engine,
+        SchedulerConfig(
+            tiers=tuple(config.tiers),
+            mode=config.budget.mode,
+            policy=config.sharing.policy,
+            preemption=config.budget.preemption,
+        ),
+        rates=rates,
+    )
+    engine.kv.remove_tenant(Engine.TENANT)  # the engine's own one-shot tenant
+    apply_prefixes(config, scheduler)
+    for entry in config.tenants:
+        scheduler.set_tenant(tenant_config(config, entry, page_bytes, pool_pages))
+    return Loaded(scheduler, model, pool_pages, page_bytes)
+
+
+def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) -> TenantConfig:
+    where = f"tenants.{entry.name}"
+    reservation = pages_of(f"{where}.reservation", entry.reservation, page_bytes, pool_pages)
+    cap = None
+    if entry.burst_cap is not None:
+        cap = pages_of(f"{where}.burst_cap", entry.burst_cap, page_bytes, pool_pages)
+    return TenantConfig(
+        name=entry.name,
+        reservation_pages=reservation,
+        cap_pages=cap,
+        tier=entry.tier or config.tiers[0],
+        weight=entry.weight,
+        limits=RateLimits(entry.requests_per_minute, entry.tokens_per_minute),
+        max_queue=entry.max_queue,
+    )
+
+
+def apply_prefixes(config: Config, scheduler: Scheduler) -> None:
+    tokenizer = scheduler.engine.model.tokenizer
+    for prefix in config.prefixes:
+        if prefix.text is not None:
+            tokens = tokenizer.encode(prefix.text)
+        else:
+            assert prefix.token_file is not None
+            tokens = read_token_file(config.path(prefix.token_file))
+        vocab = scheduler.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise ConfigError(f"prefixes.{prefix.name}: token ids outside the vocabulary")
+        try:
+            scheduler.kv.add_public_prefix(prefix.name, tokens)
+        except ValueError as exc:
+            raise ConfigError(f"prefixes.{prefix.name}: {exc}") from None
+
+
+class _Hypercorn(HypercornConfig):
+    """Listening sockets with TCP_USER_TIMEOUT (inherited by accepted
+    connections), so a peer that vanished cannot pin a connection forever."""
+
+    def create_sockets(self) -> Any:
+        sockets = super().create_sockets()
+        for sock in sockets.insecure_sockets:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
+        return sockets
+
+
+class Daemon:
+    def __init__(self, config: Config, *, listen: str | None = None) -> None:
+        self.config = config
+        self.listen = listen or config.server.listen
+        parse_listen(self.listen)
+        self.runtime: Runtime | None = None
+        self.state = ServerState(
+            runtime=None,
+            tokenizer=None,
+            model_name=config.served_model,
+            vocab_size=0,
+            max_model_len=config.model.max_model_len,
+            tiers=tuple(config.tiers),
+            metrics=Metrics(lambda: self.runtime),
+            keys={
+                t.api_key_sha256: TenantAccess(t.name, t.tier or config.tiers[0])
+                for t in config.tenants
+            },
+            log_prompts=config.server.log_prompts,
+            queue_timeout=config.server.queue_timeout,
+            status="loading",
+        )
+        self._stop = trio.Event()  # first signal: drain, then stop
+        self._http_stopped = trio.Event()  # hypercorn's shutdown trigger
+        self._load_scope = trio.CancelScope()
+        self.signals = 0
+        self.clean = False  # every request ended and its pages were released
+
+    async def run(self) -> int:
+        """Serve until a signal; returns the exit status."""
+        config = self.config
+        log.info("lifecycle.start", version=__version__, pid=os.getpid(), model=config.served_model)
+        async with trio.open_nursery() as nursery:  # signals and the engine task
+            nursery.start_soon(self._watch_signals)
+            async with trio.open_nursery() as http:
+                await self._start_http(http)
+                loaded = None
+                with self._load_scope:
+                    loaded = await trio.to_thread.run_sync(
+                        lambda: load(config, _log_progress), abandon_on_cancel=True
+                    )
+                if loaded is not None:
+                    self._go_live(nursery, loaded)
+                    await self._stop.wait()
+                    await self._drain()
+                else:
+                    self.clean = True  # stopped while loading: nothing to drain
+                self._http_stopped.set()
+            nursery.cancel_scope.cancel()
+        self._report_stopped()
+        return 0
+
+    async def _start_http(self, nursery: trio.Nursery) -> None:
+        hconfig = _Hypercorn()
+        hconfig.bind = [self.listen]
+        hconfig.accesslog = None
+        hconfig.graceful_timeout = 1.0  # the drain has already waited for requests
+        hconfig.keep_alive_timeout = 30.0
+        app = create_app(self.state, max_body=body_limit(self.config))
+
+        async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(
+                app, hconfig, shutdown_trigger=self._http_stopped.wait, task_status=task_status
+            )
+
+        bound = await nursery.start(serve)
+        log.info("lifecycle.listening", addresses=bound)
+
+    def _go_live(self, nursery: trio.Nursery, loaded: Loaded) -> None:
+        runtime = Runtime(loaded.scheduler, step_log_interval=self.config.server.step_log_interval)
+        self.runtime = runtime
+        state = self.state
+        state.runtime = runtime
+        state.tokenizer = loaded.model.tokenizer
+        state.vocab_size = loaded.model.config.vocab_size
+        nursery.start_soon(runtime.run)
+        state.ready = True
+        state.status = "ready"
+        tenants = {
+            t.name: {"reservation_pages": t.reservation_pages, "cap_pages": t.cap_pages}
+            for t in loaded.scheduler.tenants.values()
+        }
+        log.info(
+            "lifecycle.ready",
+            pool_pages=loaded.pool_pages,
+            page_bytes=loaded.page_bytes,
+            tenants=tenants,
+            prefixes=[name for name, _ in loaded.scheduler.kv.public.items()],
+        )
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                self.signals += 1
+                if self.signals > 1:
+                    log.warning("lifecycle.forced_exit", signal=name)
+                    os._exit(1)
+                log.info("lifecycle.signal", signal=name)
+                self._arm_hard_deadline()
+                self.state.status = "draining"
+                if self.runtime is not None:
+                    self.runtime.draining = True
+                self._load_scope.cancel()  # a no-op once loaded
+                self._stop.set()
+
+    async def _drain(self) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        timeout = self.config.server.drain_timeout
+        log.info("lifecycle.draining", in_flight=runtime.in_flight, timeout_s=timeout)
+        with trio.move_on_after(timeout):
+            await runtime.wait_idle()
+        if runtime.in_flight:
+            aborted = runtime.abort_all()
+            log.warning("lifecycle.drain_timeout", aborted=aborted)
+        await runtime.settle()
+        kv = runtime.scheduler.kv
+        self.clean = kv.pool.num_referenced() == 0
+        log.info("lifecycle.drained", used_pages=kv.pool.num_referenced(), clean=self.clean)
+
+    def _arm_hard_deadline(self) -> None:
+        deadline = self.config.server.drain_timeout + self.config.server.hard_deadline
+
+        def hard_exit() -> None:
+            log.warning(
+                "lifecycle.hard_exit",
+                after_s=deadline,
+                clean=self.clean,
+                reason="connections still open after the drain",
+            )
+            os._exit(0 if self.clean else 1)
+
+        timer = threading.Timer(deadline, hard_exit)
+        timer.daemon = True
+        timer.start()
+
+    def _report_stopped(self) -> None:
+        fields: dict[str, Any] = {}
+        if self.runtime is not None:
+            kv = self.runtime.scheduler.kv
+            kv.check_invariants()
+            fields = {"used_pages": kv.pool.num_referenced(), "free_pages": len(kv.pool.free)}
+        log.info("lifecycle.stopped", **fields)
+
+
+def _log_progress(event: str, fields: dict[str, Any]) -> None:
+    log.info(event, **fields)
+
+
+def check_paths(config: Config) -> list[str]:
+    """Paths the config names that do not exist (for check-config)."""
+    missing = []
+    for prefix in config.prefixes:
+        if prefix.token_file is not None and not config.path(prefix.token_file).is_file():
+            missing.append(str(config.path(prefix.token_file)))
+    source = config.model.source
+    if source not in ("random", "gemma3-270m") and not Path(config.path(source)).exists():
+        missing.append(str(config.path(source)))
+    return missing

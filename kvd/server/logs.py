@@ -1,0 +1,39 @@
+"""structlog JSON lines on stdout, one event per line, stable event names.
+
+Events: lifecycle.* (start, listening, loading, warmup, calibrated, ready,
+draining, drain_timeout, stopped, hard_exit, forced_exit), request.start,
+request.finish, request.refused, tenant.rate_limited, kv.preempt,
+engine.step. Prompt and completion text appear only when
+``server.log_prompts`` is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import msgspec
+import structlog
+
+_encoder = msgspec.json.Encoder()
+
+
+def _serialize(event: dict[str, object], **_: object) -> str:
+    return _encoder.encode(event).decode()
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # a pipe (systemd, tests) sees each line
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(serializer=_serialize),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stdout),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,232 @@
+"""The engine task: the one owner of the scheduler, and its narrow async face.
+
+HTTP handlers never touch the scheduler. They queue commands (submit,
+cancel) into an inbox; the engine task applies the inbox at each step
+boundary, then runs ``Scheduler.step`` in a worker thread (the event loop
+keeps serving while the device computes) and hands each request's tokens to
+its handler through a memory channel. So every change to scheduler state
+happens between steps, on one task, and a cancel (a client that went away)
+takes effect before the next step: its pages are released within one step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import trio
+
+from kvd.engine.sampling import SamplingParams
+from kvd.sched.scheduler import Rejection, Request, Scheduler, SchedulerStats, StepEvent
+
+log = structlog.get_logger("kvd")
+
+SNAPSHOT_INTERVAL_S = 0.2  # how stale /metrics may be while the engine is busy
+IDLE_POLL_S = 0.25  # deadlines and snapshots still advance while idle
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's handle, held by its HTTP handler."""
+
+    request_id: str
+    tenant: str
+    send: trio.MemorySendChannel[StepEvent]
+    events: trio.MemoryReceiveChannel[StepEvent]
+    accepted: trio.Event = field(default_factory=trio.Event)
+    rejection: Rejection | None = None
+    request: Request | None = None
+    finished: bool = False
+
+
+@dataclass
+class StepTotals:
+    """Accumulated between engine.step log lines."""
+
+    steps: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0
+    since: float = field(default_factory=time.monotonic)
+
+
+class Runtime:
+    def __init__(self, scheduler: Scheduler, *, step_log_interval: float = 10.0) -> None:
+        self.scheduler = scheduler
+        self.step_log_interval = step_log_interval
+        self.draining = False
+        self.snapshot: SchedulerStats = scheduler.stats()
+        self._snapshot_at = 0.0
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake = trio.Event()
+        self._live: dict[str, Ticket] = {}
+        self._idle = trio.Event()
+        self._idle.set()
+        self._totals = StepTotals()
+        self.listeners: list[Callable[[SchedulerStats], None]] = []
+
+    # -- the handlers' side ------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    async def submit(
+        self,
+        tenant: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        tier: str | None = None,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> Ticket:
+        """Queue a request; returns its ticket once admitted to a queue, or
+        raises Rejection (the scheduler's, or 503 while draining)."""
+        if self.draining:
+            raise Rejection(503, "draining", "the server is shutting down", retry_after=5.0)
+        send, receive = trio.open_memory_channel[StepEvent](math.inf)
+        ticket = Ticket(request_id or uuid.uuid4().hex, tenant, send, receive)
+        self._live[ticket.request_id] = ticket
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+
+        def apply() -> None:
+            if ticket.finished:  # cancelled or aborted before it reached the scheduler
+                ticket.accepted.set()
+                return
+            try:
+                ticket.request = self.scheduler.submit(
+                    ticket.request_id,
+                    tenant,
+                    prompt,
+                    params,
+                    tier=tier,
+                    cache_salt=cache_salt,
+                )
+            except Rejection as exc:
+                ticket.rejection = exc
+                self._forget(ticket)
+            ticket.accepted.set()
+
+        self._post(apply)
+        try:
+            await ticket.accepted.wait()
+        except BaseException:
+            self.cancel(ticket)
+            raise
+        if ticket.rejection is not None:
+            raise ticket.rejection
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop a request (idempotent); its pages go back at the next step boundary."""
+        if ticket.finished:
+            return
+        self._forget(ticket)
+        self._post(lambda: self.scheduler.cancel(ticket.request_id))
+
+    async def wait_idle(self) -> None:
+        """Until no request is in flight."""
+        await self._idle.wait()
+
+    def abort_all(self) -> int:
+        """End every request now (the drain timeout passed); returns how many."""
+        tickets = list(self._live.values())
+        for ticket in tickets:
+            ticket.send.send_nowait(StepEvent(ticket.request_id, None, 0.0, True, "abort"))
+            self.cancel(ticket)
+            ticket.accepted.set()
+        return len(tickets)
+
+    async def settle(self) -> None:
+        """Until every command posted so far has been applied (after any step
+        in progress), e.g. the cancels of an abort."""
+        done = trio.Event()
+        self._post(done.set)
+        await done.wait()
+
+    def _forget(self, ticket: Ticket) -> None:
+        ticket.finished = True
+        self._live.pop(ticket.request_id, None)
+        if not self._live:
+            self._idle.set()
+
+    def _post(self, command: Callable[[], None]) -> None:
+        self._inbox.append(command)
+        self._wake.set()
+
+    # -- the engine task ------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Apply commands and run steps until cancelled."""
+        scheduler = self.scheduler
+        while True:
+            self._wake = trio.Event()
+            while self._inbox:
+                self._inbox.popleft()()
+            if not scheduler.has_work():
+                self._refresh(time.monotonic(), force=True)
+                with trio.move_on_after(IDLE_POLL_S):
+                    await self._wake.wait()
+                continue
+            started = time.monotonic()
+            events = await trio.to_thread.run_sync(scheduler.step)
+            now = time.monotonic()
+            self._dispatch(events)
+            self._log_preemptions()
+            totals = self._totals
+            totals.steps += 1
+            totals.tokens += len(events)
+            totals.busy_s += now - started
+            self._refresh(now)
+            await trio.lowlevel.checkpoint()
+
+    def _dispatch(self, events: list[StepEvent]) -> None:
+        live = self._live
+        for event in events:
+            ticket = live.get(event.request_id)
+            if ticket is None:
+                continue  # its client is gone; the cancel is queued
+            ticket.send.send_nowait(event)
+            if event.finished:
+                self._forget(ticket)
+
+    def _log_preemptions(self) -> None:
+        notices = self.scheduler.preemption_log
+        while notices:
+            request_id, tenant, kind = notices.popleft()
+            log.info("kv.preempt", request_id=request_id, tenant=tenant, kind=kind)
+
+    def _refresh(self, now: float, force: bool = False) -> None:
+        if force or now - self._snapshot_at >= SNAPSHOT_INTERVAL_S:
+            self.snapshot = self.scheduler.stats()
+            self._snapshot_at = now
+            for listener in self.listeners:
+                listener(self.snapshot)
+        totals = self._totals
+        if totals.steps and now - totals.since >= self.step_log_interval:
+            stats = self.snapshot
+            log.info(
+                "engine.step",
+                steps=totals.steps,
+                tokens=totals.tokens,
+                busy_s=round(totals.busy_s, 3),
+                interval_s=round(now - totals.since, 3),
+                running=stats.running,
+                waiting=stats.waiting,
+                swapped=stats.swapped,
+                used_pages=stats.used_pages,
+                free_pages=stats.free_pages,
+                cached_pages=stats.cached_pages,
+            )
+            self._totals = StepTotals(since=now)
+
+    def stats_dict(self) -> dict[str, Any]:
+        import msgspec
+
+        return msgspec.to_builtins(self.snapshot)
