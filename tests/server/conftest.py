@@ -1,0 +1,224 @@
+"""Real daemons for the server tests: ``kvd serve`` in a subprocess on
+127.0.0.1 (port 0: the OS picks), its JSON log lines read from stdout.
+
+All daemons of a session share one cache directory, so the embedded model is
+assembled once and compiled programs are reused from JAX's persistent cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ALICE, BOB, CAROL = "kvd-dev-alice", "kvd-dev-bob", "kvd-test-carol"
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+TINY_CONFIG = f"""
+tiers = ["interactive", "batch"]
+
+[server]
+listen = "127.0.0.1:0"
+drain_timeout = {{drain_timeout}}
+hard_deadline = 1.5
+max_body = "64KiB"
+step_log_interval = 1.0
+
+[model]
+source = "random"
+max_model_len = {{max_model_len}}
+max_num_seqs = 8
+max_num_batched_tokens = 64
+
+[pool]
+size = "{{pool}}"
+
+[[tenants]]
+name = "alice"
+api_key_sha256 = "{digest(ALICE)}"
+reservation = "25%"
+
+[[tenants]]
+name = "bob"
+api_key_sha256 = "{digest(BOB)}"
+reservation = "25%"
+
+[[tenants]]
+name = "carol"
+api_key_sha256 = "{digest(CAROL)}"
+tier = "batch"
+requests_per_minute = 2
+"""
+
+
+class DaemonProcess:
+    """A running ``kvd serve``; its log events are collected as they come."""
+
+    def __init__(self, config: Path, env: dict[str, str], ready_timeout: float = 300) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        self.events: list[dict[str, Any]] = []
+        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        try:
+            listening = self.wait_for("lifecycle.listening", ready_timeout)
+            self.url = listening["addresses"][0]
+            self.wait_for("lifecycle.ready", ready_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.events.append(event)
+            self._lines.put(event)
+        self._lines.put(None)
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def wait_for(self, name: str, timeout: float = 30) -> dict[str, Any]:
+        for event in self.events:
+            if event.get("event") == name:
+                return event
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {name} within {timeout} s; stderr:\n{self.tail()}")
+            try:
+                event = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if event is None:
+                raise RuntimeError(f"the daemon exited before {name}; stderr:\n{self.tail()}")
+            if event.get("event") == name:
+                return event
+
+    def tail(self) -> str:
+        return "".join(self.stderr[-40:])
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") == name]
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                values[key] = float(value)
+        return values
+
+    def used_pages(self) -> float:
+        return self.metrics()['kvd_pool_pages{state="used"}']
+
+    def wait_pages_released(self, timeout: float = 10) -> None:
+        """Until no page is in use (the metrics snapshot lags by < 0.3 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = self.metrics()
+            if (
+                metrics['kvd_pool_pages{state="used"}'] == 0
+                and metrics["kvd_requests_in_flight"] == 0
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pages still in use: {metrics}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+    def terminate(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.kill()
+        return code
+
+
+@pytest.fixture(scope="session")
+def kvd_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kvd-cache")
+
+
+@pytest.fixture(scope="session")
+def daemon_env(kvd_cache: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["KVD_CACHE_DIR"] = str(kvd_cache)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def write_config(path: Path, **values: Any) -> Path:
+    settings = {"drain_timeout": 5.0, "max_model_len": 256, "pool": "8MiB"} | values
+    path.write_text(TINY_CONFIG.format(**settings))
+    return path
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path, daemon_env: dict[str, str]) -> Iterator[Any]:
+    """Start tiny-model daemons for one test; all are stopped after it."""
+    started: list[DaemonProcess] = []
+
+    def start(**values: Any) -> DaemonProcess:
+        config = write_config(tmp_path / f"kvd-{len(started)}.toml", **values)
+        daemon = DaemonProcess(config, daemon_env)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny_daemon(
+    tmp_path_factory: pytest.TempPathFactory, daemon_env: dict[str, str]
+) -> Iterator[DaemonProcess]:
+    """One tiny-model daemon shared by a module's tests."""
+    config = write_config(tmp_path_factory.mktemp("kvd-config") / "kvd.toml")
+    daemon = DaemonProcess(config, daemon_env)
+    yield daemon
+    assert daemon.terminate() == 0, daemon.tail()
