@@ -1,0 +1,170 @@
+"""Clients that hang up, and shutdown: drain, abort, exit status and deadlines."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from tests.server.conftest import ALICE, BOB, DaemonProcess
+
+MODEL = "random"
+
+
+def stream_request(body: dict[str, Any], key: str = ALICE) -> tuple[bytes, dict[str, str]]:
+    payload = json.dumps({"model": MODEL, "stream": True} | body).encode()
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    return payload, headers
+
+
+def raw_stream(
+    daemon: DaemonProcess, body: dict[str, Any], *, rcvbuf: int | None = None
+) -> socket.socket:
+    """Open a streaming request on a plain socket (so the test controls reading)."""
+    host, port = daemon.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((host, int(port)))
+    payload, headers = stream_request(body)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n{head}"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return sock
+
+
+def test_disconnecting_clients_leak_nothing(tiny_daemon: DaemonProcess) -> None:
+    baseline = tiny_daemon.metrics()
+    rng = random.Random(7)
+    sockets = []
+    for i in range(20):
+        sock = raw_stream(tiny_daemon, {"prompt": f"client {i} says", "max_tokens": 200})
+        sockets.append((sock, rng.uniform(0.0, 1.5), rng.random() < 0.5))
+    started = time.monotonic()
+    for sock, at, read_first in sorted(sockets, key=lambda s: s[1]):
+        time.sleep(max(0.0, started + at - time.monotonic()))
+        if read_first:
+            sock.recv(4096)
+        sock.close()  # hang up mid-stream (or before the first token)
+    tiny_daemon.wait_pages_released(timeout=10)
+    after = tiny_daemon.metrics()
+    assert after['kvd_pool_pages{state="used"}'] == baseline['kvd_pool_pages{state="used"}'] == 0
+    finished = tiny_daemon.named("request.finish")
+    assert sum(1 for e in finished if e["outcome"] == "disconnected") >= 15
+    # And it still serves.
+    response = httpx.post(
+        f"{tiny_daemon.url}/v1/completions",
+        json={"model": MODEL, "prompt": "still there?", "max_tokens": 4},
+        headers={"Authorization": f"Bearer {BOB}"},
+        timeout=30,
+    )
+    assert response.status_code == 200
+
+
+def read_stream(daemon: DaemonProcess, body: dict[str, Any], out: dict[str, Any]) -> None:
+    payload, headers = stream_request(body)
+    lines: list[str] = []
+    try:
+        with httpx.stream(
+            "POST", f"{daemon.url}/v1/completions", content=payload, headers=headers, timeout=60
+        ) as response:
+            out["status"] = response.status_code
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)
+    out["lines"] = lines
+
+
+def test_sigterm_drains_streams_then_exits_zero(start_daemon: Any) -> None:
+    daemon: DaemonProcess = start_daemon(drain_timeout=4.0, max_model_len=2048)
+    results: list[dict[str, Any]] = [{} for _ in range(10)]
+    threads = []
+    for i, out in enumerate(results):
+        # Eight short streams and two far longer than the drain timeout.
+        tokens = 30 if i < 8 else 2000
+        body = {"prompt": f"stream {i}", "max_tokens": tokens, "temperature": 0}
+        threads.append(threading.Thread(target=read_stream, args=(daemon, body, out)))
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    sent = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    daemon.wait_for("lifecycle.draining")
+    refused = httpx.post(
+        f"{daemon.url}/v1/completions",
+        json={"model": MODEL, "prompt": "late", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {ALICE}"},
+        timeout=10,
+    )
+    assert refused.status_code == 503 and "Retry-After" in refused.headers
+    assert httpx.get(f"{daemon.url}/ready").status_code == 503
+    code = daemon.proc.wait(timeout=30)
+    elapsed = time.monotonic() - sent
+    for thread in threads:
+        thread.join(timeout=10)
+    assert code == 0, daemon.tail()
+    assert elapsed < 4.0 + 2.0, elapsed
+    for out in results[:8]:
+        assert out["lines"][-1] == "data: [DONE]", out
+    for out in results[8:]:  # cut at the drain timeout: an error event, no [DONE]
+        assert out["lines"][-1] != "data: [DONE]"
+        assert "aborted" in out["lines"][-1]
+    drained = daemon.wait_for("lifecycle.drained")
+    assert drained["clean"] and drained["used_pages"] == 0
+    assert daemon.wait_for("lifecycle.stopped")["used_pages"] == 0
+
+
+def test_a_client_that_stops_reading_cannot_hold_shutdown(start_daemon: Any) -> None:
+    daemon: DaemonProcess = start_daemon(drain_timeout=1.0, max_model_len=2048)
+    # Tiny receive windows and long streams with logprobs: the server's sends block.
+    stuck = [
+        raw_stream(
+            daemon,
+            {"prompt": f"never read {i}", "max_tokens": 2000, "logprobs": 0},
+            rcvbuf=1024,
+        )
+        for i in range(4)
+    ]
+    time.sleep(2.0)
+    sent = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    code = daemon.proc.wait(timeout=30)
+    elapsed = time.monotonic() - sent
+    for sock in stuck:
+        sock.close()
+    # drain_timeout 1.0 + hard_deadline 1.5, plus process exit.
+    assert elapsed < 1.0 + 1.5 + 1.0, elapsed
+    assert code == 0, daemon.tail()
+    assert daemon.wait_for("lifecycle.drained")["clean"]
+    # Whether the sends really blocked depends on the kernel's buffer sizing;
+    # when they did, the hard deadline is what ended the process.
+    for event in daemon.named("lifecycle.hard_exit"):
+        assert event["clean"]
+
+
+def test_second_signal_exits_at_once(start_daemon: Any) -> None:
+    daemon: DaemonProcess = start_daemon(drain_timeout=30.0, max_model_len=2048)
+    out: dict[str, Any] = {}
+    body = {"prompt": "long", "max_tokens": 2000}
+    thread = threading.Thread(target=read_stream, args=(daemon, body, out))
+    thread.start()
+    time.sleep(0.5)
+    daemon.proc.send_signal(signal.SIGTERM)
+    daemon.wait_for("lifecycle.draining")
+    sent = time.monotonic()
+    daemon.proc.send_signal(signal.SIGINT)
+    code = daemon.proc.wait(timeout=10)
+    assert time.monotonic() - sent < 2.0
+    assert code == 1
+    thread.join(timeout=10)
