@@ -210,6 +210,25 @@ def bench_decode(
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("http")
+@click.option("--model", default="gemma3-270m", show_default=True, help="Or 'random'.")
+@click.option("--clients", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--duration", type=click.FloatRange(min=1), default=60.0, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--no-inprocess", is_flag=True, help="Skip the in-process comparison run.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_http(
+    model: str, clients: int, duration: float, max_tokens: int, no_inprocess: bool, as_json: bool
+) -> None:
+    """Load a real daemon over loopback HTTP; compare with the in-process scheduler."""
+    from kvd.bench.http import render, run_http_load
+
+    report = run_http_load(
+        model, clients, duration, max_tokens, not no_inprocess, lambda t: click.echo(t, err=True)
+    )
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 @bench.command("scheduler")
 @click.option("--running", default="64,256,1024", show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)

@@ -88,8 +88,9 @@ def random_model_with_tokenizer(max_position: int = 2048, seed: int = 0) -> Load
     path = embedded_gguf_path()
     with GGUFFile(path) as gguf:
         tokenizer = _gguf_tokenizer(gguf, path)
-    model = random_model(tokenizer.vocab_size, sliding_window=32, seed=seed,
-                         max_position=max_position)
+    model = random_model(
+        tokenizer.vocab_size, sliding_window=32, seed=seed, max_position=max_position
+    )
     model.tokenizer = tokenizer
     model.source = "random"
     return model

@@ -524,7 +524,13 @@ class Scheduler:
 
     def _expire(self, now: float, events: list[StepEvent]) -> None:
         for queue in self.queues.values():
-            for request in [r for r in queue if r.deadline is not None and r.deadline < now]:
+            # Only requests that never started: a preempted one re-queued is not late.
+            expired = [
+                r
+                for r in queue
+                if r.deadline is not None and r.deadline < now and r.started_at is None
+            ]
+            for request in expired:
                 self._finish(request, "deadline")
                 events.append(StepEvent(request.request_id, None, 0.0, True, "deadline"))
 

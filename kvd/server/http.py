@@ -224,6 +224,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
                 prepared.params,
                 tier=tier,
                 cache_salt=prepared.cache_salt,
+                deadline_s=state.queue_timeout,
                 request_id=request_id,
             )
         except Rejection as exc:

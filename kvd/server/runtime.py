@@ -84,6 +84,7 @@ class Runtime:
         *,
         tier: str | None = None,
         cache_salt: str | None = None,
+        deadline_s: float | None = None,
         request_id: str | None = None,
     ) -> Ticket:
         """Queue a request; returns its ticket once admitted to a queue, or
@@ -107,6 +108,7 @@ class Runtime:
                     params,
                     tier=tier,
                     cache_salt=cache_salt,
+                    deadline_s=deadline_s,
                 )
             except Rejection as exc:
                 ticket.rejection = exc

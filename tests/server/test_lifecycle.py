@@ -168,3 +168,15 @@ def test_second_signal_exits_at_once(start_daemon: Any) -> None:
     assert time.monotonic() - sent < 2.0
     assert code == 1
     thread.join(timeout=10)
+
+
+def test_bounded_load_run(daemon_env: dict[str, str], monkeypatch: Any) -> None:
+    """`kvd bench http` in small: no 5xx, every stream complete, no page leaked."""
+    from kvd.bench.http import render, run_http_load
+
+    monkeypatch.setenv("KVD_CACHE_DIR", daemon_env["KVD_CACHE_DIR"])
+    report = run_http_load("random", 12, 4.0, 16, inprocess=False, log=lambda _: None)
+    print(render(report))
+    assert report.requests > 12
+    assert report.errors_5xx == report.errors_other == report.incomplete_streams == 0
+    assert report.leaked_pages == 0
