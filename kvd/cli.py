@@ -31,6 +31,7 @@ def serve(config_path: str, listen: str | None, admin_socket: str | None) -> Non
     import trio
 
     from kvd.server.config import ConfigError, load_config, parse_listen
+    from kvd.server.daemon import startup_failure
     from kvd.server.logs import configure_logging
 
     try:
@@ -49,8 +50,11 @@ def serve(config_path: str, listen: str | None, admin_socket: str | None) -> Non
     daemon = Daemon(config, listen=listen)
     try:
         code = trio.run(daemon.run)
-    except (ConfigError, OSError) as exc:
-        fail(str(exc), code=1)
+    except BaseException as exc:  # noqa: BLE001  # a start-up failure is one line, exit 1
+        reason = startup_failure(exc)
+        if reason is None:
+            raise
+        fail(reason, code=1)
     raise SystemExit(code)
 
 

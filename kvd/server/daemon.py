@@ -129,6 +129,20 @@ def load(config: Config, progress: Callable[[str, dict[str, Any]], None]) -> Loa
         "lifecycle.pool",
         {"pages": pool_pages, "page_bytes": page_bytes, "tokens_per_group": pool_tokens},
     )
+    scheduler = Scheduler(
+        engine,
+        SchedulerConfig(
+            tiers=tuple(config.tiers),
+            mode=config.budget.mode,
+            policy=config.sharing.policy,
+            preemption=config.budget.preemption,
+        ),
+    )
+    # Budgets and prefixes are checked against the real pool before the long
+    # warm-up, so a configuration the pool cannot honour fails in seconds.
+    apply_prefixes(config, scheduler)
+    for entry in config.tenants:
+        scheduler.set_tenant(tenant_config(config, entry, page_bytes, pool_pages))
     last = [0.0]
 
     def warm(done: int, total: int, what: str) -> None:
@@ -139,10 +153,12 @@ def load(config: Config, progress: Callable[[str, dict[str, Any]], None]) -> Loa
 
     seconds = engine.warm_up(warm)
     progress("lifecycle.warm", {"seconds": round(seconds, 2), "programs": engine.compiled_shapes()})
-    rates = measure_rates(engine)
+    rates = measure_rates(engine)  # as the engine's own tenant, before anyone else's work
     # The calibration's prompts are nobody's: forget their pages and counts.
     engine.kv.flush_cache()
     engine.kv.prefix_query_tokens = engine.kv.prefix_hit_tokens = 0
+    engine.kv.remove_tenant(Engine.TENANT)
+    scheduler.rates = rates
     progress(
         "lifecycle.calibrated",
         {
@@ -151,20 +167,6 @@ def load(config: Config, progress: Callable[[str, dict[str, Any]], None]) -> Loa
             "crossover_tokens": rates.crossover_tokens(),
         },
     )
-    scheduler = Scheduler(
-        engine,
-        SchedulerConfig(
-            tiers=tuple(config.tiers),
-            mode=config.budget.mode,
-            policy=config.sharing.policy,
-            preemption=config.budget.preemption,
-        ),
-        rates=rates,
-    )
-    engine.kv.remove_tenant(Engine.TENANT)  # the engine's own one-shot tenant
-    apply_prefixes(config, scheduler)
-    for entry in config.tenants:
-        scheduler.set_tenant(tenant_config(config, entry, page_bytes, pool_pages))
     return Loaded(scheduler, model, pool_pages, page_bytes)
 
 
@@ -374,3 +376,19 @@ def check_paths(config: Config) -> list[str]:
     if source not in ("random", "gemma3-270m") and not Path(config.path(source)).exists():
         missing.append(str(config.path(source)))
     return missing
+
+
+def startup_failure(exc: BaseException) -> str | None:
+    """The message of an expected start-up failure (a bad model, pool or
+    budget, an address in use), unwrapped from trio's exception groups;
+    None for anything else (a bug: let it show its traceback)."""
+    from kvd.engine.engine import EngineError
+    from kvd.engine.loader import ModelLoadError
+    from kvd.kv.ledger import BudgetError
+
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, ConfigError | ModelLoadError | BudgetError | EngineError | OSError):
+        log.error("lifecycle.failed", error=str(exc))
+        return str(exc)
+    return None

@@ -4,6 +4,7 @@ official openai client (sync and async) and raw HTTP."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,8 +18,24 @@ MODEL = "random"
 LONG_PROMPT = " ".join(f"word{i}" for i in range(40))  # several 16-token blocks
 
 
+_CLIENTS: dict[tuple[str, str], openai.OpenAI] = {}
+
+
 def client(daemon: DaemonProcess, key: str = ALICE) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key=key, max_retries=0)
+    """One client per key, closed with the module (their pools hold sockets)."""
+    made = _CLIENTS.get((daemon.url, key))
+    if made is None:
+        made = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key=key, max_retries=0)
+        _CLIENTS[(daemon.url, key)] = made
+    return made
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    for made in _CLIENTS.values():
+        made.close()
+    _CLIENTS.clear()
 
 
 def post(daemon: DaemonProcess, path: str, body: Any, key: str | None = ALICE, **kw: Any):

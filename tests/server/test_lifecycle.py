@@ -180,3 +180,50 @@ def test_bounded_load_run(daemon_env: dict[str, str], monkeypatch: Any) -> None:
     assert report.requests > 12
     assert report.errors_5xx == report.errors_other == report.incomplete_streams == 0
     assert report.leaked_pages == 0
+
+
+def test_startup_failures_are_one_line_and_exit_1(
+    tmp_path: Any, daemon_env: dict[str, str]
+) -> None:
+    import subprocess
+    import sys
+
+    from tests.server.conftest import write_config
+
+    config = write_config(tmp_path / "over.toml").read_text()
+    config = config.replace('reservation = "25%"', 'reservation = "60%"')
+    (tmp_path / "over.toml").write_text(config)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvd.cli", "serve", "--config", str(tmp_path / "over.toml")],
+        env=daemon_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "kvd: error: reservations would total" in result.stderr
+    assert "lifecycle.failed" in result.stdout
+    assert "lifecycle.warmup" not in result.stdout  # refused before compiling anything
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvd.cli",
+                "serve",
+                "--config",
+                str(write_config(tmp_path / "ok.toml")),
+                "--listen",
+                f"127.0.0.1:{port}",
+            ],
+            env=daemon_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 1
+    assert "kvd: error:" in result.stderr and "in use" in result.stderr

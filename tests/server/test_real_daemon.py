@@ -83,6 +83,11 @@ def test_http_matches_the_engine(real_daemon: DaemonProcess, engine: Any) -> Non
     chat = tokenizer.chat_prompt([ChatMessage("user", "Write a haiku about the sea.")])
     expected = engine.generate([*prompts, chat], [greedy] * (len(prompts) + 1))
     oai = openai.OpenAI(base_url=f"{real_daemon.url}/v1", api_key=ALICE, max_retries=0)
+    with oai:
+        check_completions(oai, tokenizer, expected)
+
+
+def check_completions(oai: openai.OpenAI, tokenizer: Any, expected: list[Any]) -> None:
     for text, want in zip(PROMPTS, expected, strict=False):
         got = oai.completions.create(
             model="gemma3-270m", prompt=text, max_tokens=TOKENS, temperature=0
@@ -107,8 +112,8 @@ def test_repeated_prompt_hits_the_cache_for_its_tenant_only(real_daemon: DaemonP
     prompt = "Once upon a time, " * 20
 
     def cached(key: str) -> int:
-        oai = openai.OpenAI(base_url=f"{real_daemon.url}/v1", api_key=key, max_retries=0)
-        result = oai.completions.create(model="gemma3-270m", prompt=prompt, max_tokens=2)
+        with openai.OpenAI(base_url=f"{real_daemon.url}/v1", api_key=key, max_retries=0) as oai:
+            result = oai.completions.create(model="gemma3-270m", prompt=prompt, max_tokens=2)
         assert result.usage is not None and result.usage.prompt_tokens_details is not None
         return result.usage.prompt_tokens_details.cached_tokens or 0
 
