@@ -1,15 +1,22 @@
 """kvctl: the operator's command line for kvd.
 
-``kvctl capacity`` is offline arithmetic (no daemon needed): what a KV pool of
-a given size holds for a model, by the seed's eager formulas and by running
-kvd's own allocator.
+Live commands talk to a running daemon over its admin socket (``--socket``,
+``$KVD_ADMIN_SOCKET`` or /run/kvd/admin.sock). ``kvctl capacity`` is offline
+arithmetic (no daemon needed): what a KV pool of a given size holds for a
+model, by the seed's eager formulas and by running kvd's own allocator.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
 import click
 import msgspec
 
+from kvctl import admin
 from kvd.clikit import SizeType, fail, run
 from kvd.kv.capacity import CapacityReport, capacity_report
 from kvd.kv.geometry import GeometryError, KVGeometry, preset, uniform_geometry
@@ -18,8 +25,283 @@ from kvd.units import format_iec, format_si
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli() -> None:
+@click.option(
+    "--socket",
+    envvar="KVD_ADMIN_SOCKET",
+    default=admin.DEFAULT_SOCKET,
+    show_default=True,
+    help="The daemon's admin socket (or set KVD_ADMIN_SOCKET).",
+)
+def cli(socket: str) -> None:
     """Control and inspect a kvd daemon."""
+
+
+_JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+@cli.command()
+@_JSON
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Pool, tenants, prefixes, queues, measured rates, draining state."""
+    admin.emit(admin.client(ctx).request("GET", "/v1/status"), as_json, admin.render_status)
+
+
+@cli.command()
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
+@click.option("--iterations", type=click.IntRange(min=1), help="Stop after N refreshes.")
+@click.pass_context
+def top(ctx: click.Context, interval: float, iterations: int | None) -> None:
+    """A live view of the pool and the tenants, refreshed until Ctrl-C."""
+    c = admin.client(ctx)
+    count = 0
+    try:
+        while iterations is None or count < iterations:
+            view = admin.render_status(c.request("GET", "/v1/status"))
+            clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+            click.echo(f"{clear}{view}\n")
+            count += 1
+            if iterations is None or count < iterations:
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+@cli.group()
+def tenant() -> None:
+    """List, add, change and remove tenants."""
+
+
+def _tenant_options(f: Any) -> Any:
+    options = [
+        click.option("--key", help="The tenant's API key (sent as its SHA-256 only)."),
+        click.option("--key-sha256", help="The SHA-256 hex digest of the API key."),
+        click.option("--reservation", help="Guaranteed pages: a share ('25%') or a size."),
+        click.option("--burst-cap", help="Most pages at once: a share, a size, or 'none'."),
+        click.option("--tier", help="The most important tier the tenant may use."),
+        click.option("--weight", type=click.FloatRange(min=0, min_open=True)),
+        click.option("--rpm", help="Requests per minute, or 'unlimited'."),
+        click.option("--tpm", help="Tokens per minute, or 'unlimited'."),
+        click.option("--max-queue", type=click.IntRange(min=1)),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _tenant_fields(
+    key: str | None,
+    key_sha256: str | None,
+    reservation: str | None,
+    burst_cap: str | None,
+    tier: str | None,
+    weight: float | None,
+    rpm: str | None,
+    tpm: str | None,
+    max_queue: int | None,
+) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "api_key_sha256": admin.key_digest(key, key_sha256),
+        "reservation": reservation,
+        "burst_cap": burst_cap,
+        "tier": tier,
+        "weight": weight,
+        "max_queue": max_queue,
+    }
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if fields.get("burst_cap") == "none":
+        fields["burst_cap"] = None
+    for name, value, option in (
+        ("requests_per_minute", rpm, "--rpm"),
+        ("tokens_per_minute", tpm, "--tpm"),
+    ):
+        number = admin.optional_number(value, option)
+        if number != "__unset__":
+            fields[name] = number
+    return fields
+
+
+@tenant.command("list")
+@_JSON
+@click.pass_context
+def tenant_list(ctx: click.Context, as_json: bool) -> None:
+    admin.emit(admin.client(ctx).request("GET", "/v1/tenants"), as_json, admin.render_tenants)
+
+
+@tenant.command("add")
+@click.argument("name")
+@_tenant_options
+@_JSON
+@click.pass_context
+def tenant_add(ctx: click.Context, name: str, as_json: bool, **options: Any) -> None:
+    """Add a tenant (it can send requests at once)."""
+    fields = _tenant_fields(**options)
+    if "api_key_sha256" not in fields:
+        fail("a new tenant needs --key or --key-sha256")
+    result = admin.client(ctx).request("POST", "/v1/tenants", {"name": name} | fields)
+    admin.done(result, as_json, f"tenant {name} added")
+
+
+@tenant.command("set")
+@click.argument("name")
+@_tenant_options
+@_JSON
+@click.pass_context
+def tenant_set(ctx: click.Context, name: str, as_json: bool, **options: Any) -> None:
+    """Change a tenant's key, budget, tier, weight or rate limits, live."""
+    fields = _tenant_fields(**options)
+    if not fields:
+        fail("nothing to change: give at least one option")
+    result = admin.client(ctx).request("PATCH", f"/v1/tenants/{name}", fields)
+    admin.done(result, as_json, f"tenant {name} changed")
+
+
+@tenant.command("remove")
+@click.argument("name")
+@_JSON
+@click.pass_context
+def tenant_remove(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Remove a tenant (refused while it has requests in flight)."""
+    result = admin.client(ctx).request("DELETE", f"/v1/tenants/{name}")
+    admin.done(result, as_json, f"tenant {name} removed")
+
+
+@cli.group()
+def sharing() -> None:
+    """The prefix-cache sharing policy: isolated, public or shared."""
+
+
+@sharing.command("get")
+@_JSON
+@click.pass_context
+def sharing_get(ctx: click.Context, as_json: bool) -> None:
+    result = admin.client(ctx).request("GET", "/v1/sharing")
+    admin.emit(result, as_json, lambda r: r["policy"])
+
+
+@sharing.command("set")
+@click.argument("policy", type=click.Choice(["isolated", "public", "shared"]))
+@_JSON
+@click.pass_context
+def sharing_set(ctx: click.Context, policy: str, as_json: bool) -> None:
+    result = admin.client(ctx).request("PUT", "/v1/sharing", {"policy": policy})
+    admin.done(result, as_json, f"sharing policy: {policy}")
+
+
+@cli.group()
+def budget() -> None:
+    """The budget mode: reserve, static or free."""
+
+
+@budget.command("get")
+@_JSON
+@click.pass_context
+def budget_get(ctx: click.Context, as_json: bool) -> None:
+    result = admin.client(ctx).request("GET", "/v1/budget")
+    admin.emit(result, as_json, lambda r: r["mode"])
+
+
+@budget.command("set")
+@click.argument("mode", type=click.Choice(["reserve", "static", "free"]))
+@_JSON
+@click.pass_context
+def budget_set(ctx: click.Context, mode: str, as_json: bool) -> None:
+    result = admin.client(ctx).request("PUT", "/v1/budget", {"mode": mode})
+    admin.done(result, as_json, f"budget mode: {mode}")
+
+
+@cli.group()
+def prefix() -> None:
+    """Public prefixes: shared by every tenant under the public policy."""
+
+
+@prefix.command("add")
+@click.argument("name")
+@click.option("--text", help="The prefix text (tokenized like a prompt).")
+@click.option("--text-file", type=click.Path(dir_okay=False), help="Read the text from a file.")
+@click.option(
+    "--token-file", type=click.Path(dir_okay=False), help="Token ids: a JSON array or spaces."
+)
+@_JSON
+@click.pass_context
+def prefix_add(
+    ctx: click.Context,
+    name: str,
+    text: str | None,
+    text_file: str | None,
+    token_file: str | None,
+    as_json: bool,
+) -> None:
+    if sum(x is not None for x in (text, text_file, token_file)) != 1:
+        fail("give exactly one of --text, --text-file, --token-file")
+    body: dict[str, Any] = {"name": name}
+    if token_file is not None:
+        body["tokens"] = admin.read_tokens(token_file)
+    elif text_file is not None:
+        try:
+            body["text"] = Path(text_file).read_text()
+        except OSError as exc:
+            fail(f"{text_file}: {exc.strerror or exc}")
+    else:
+        body["text"] = text
+    result = admin.client(ctx).request("POST", "/v1/prefixes", body)
+    admin.done(result, as_json, f"prefix {name} added")
+
+
+@prefix.command("list")
+@_JSON
+@click.pass_context
+def prefix_list(ctx: click.Context, as_json: bool) -> None:
+    result = admin.client(ctx).request("GET", "/v1/prefixes")
+    admin.emit(result, as_json, admin.render_prefixes)
+
+
+@prefix.command("remove")
+@click.argument("name")
+@_JSON
+@click.pass_context
+def prefix_remove(ctx: click.Context, name: str, as_json: bool) -> None:
+    result = admin.client(ctx).request("DELETE", f"/v1/prefixes/{name}")
+    admin.done(result, as_json, f"prefix {name} removed")
+
+
+@cli.command()
+@_JSON
+@click.pass_context
+def flush(ctx: click.Context, as_json: bool) -> None:
+    """Free every cached page no request uses."""
+    result = admin.client(ctx).request("POST", "/v1/flush")
+    admin.done(result, as_json, f"freed {result.get('freed_pages', 0)} cached pages")
+
+
+@cli.command()
+@click.option("--wait", is_flag=True, help="Wait until no request is in flight.")
+@click.option("--timeout", type=click.FloatRange(min=0), help="Give up waiting after S seconds.")
+@_JSON
+@click.pass_context
+def drain(ctx: click.Context, wait: bool, timeout: float | None, as_json: bool) -> None:
+    """Stop accepting requests (503); in-flight ones finish."""
+    c = admin.client(ctx)
+    result = c.request("POST", "/v1/drain")
+    if wait:
+        admin.wait_drained(c, timeout)
+    admin.done(result, as_json, f"draining: {result['in_flight']} requests in flight")
+
+
+@cli.command()
+@_JSON
+@click.pass_context
+def undrain(ctx: click.Context, as_json: bool) -> None:
+    """Accept requests again."""
+    admin.done(admin.client(ctx).request("POST", "/v1/undrain"), as_json, "serving")
+
+
+@cli.command()
+@_JSON
+@click.pass_context
+def audit(ctx: click.Context, as_json: bool) -> None:
+    """The log of admin changes, oldest first."""
+    admin.emit(admin.client(ctx).request("GET", "/v1/audit"), as_json, admin.render_audit)
 
 
 _POSITIVE = click.IntRange(min=1)

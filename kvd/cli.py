@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 import msgspec
 
@@ -40,7 +42,10 @@ def serve(config_path: str, listen: str | None, admin_socket: str | None) -> Non
             parse_listen(listen)
         if admin_socket is not None:
             config = msgspec.structs.replace(
-                config, server=msgspec.structs.replace(config.server, admin_socket=admin_socket)
+                config,
+                server=msgspec.structs.replace(
+                    config.server, admin_socket=str(Path(admin_socket).resolve())
+                ),
             )
     except ConfigError as exc:
         fail(str(exc))

@@ -43,3 +43,7 @@ class VirtualCounters:
     def order(self, tenants: list[str]) -> list[str]:
         """Tenants by counter, smallest first (name breaks ties, for determinism)."""
         return sorted(tenants, key=lambda t: (self.counters.get(t, 0.0), t))
+
+    def forget(self, tenant: str) -> None:
+        for table in (self.counters, self.weights, self.service):
+            table.pop(tenant, None)

@@ -179,6 +179,9 @@ class Scheduler:
         # Preemptions as they happen, (request id, tenant, kind), for the
         # daemon's logs; bounded, so a caller that never reads costs nothing.
         self.preemption_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
+        # Per public prefix: [requests that started with it, of those served
+        # from cache, prompt tokens served from cache].
+        self.prefix_hits: dict[str, list[int]] = {}
 
     # -- tenants ---------------------------------------------------------------
 
@@ -195,6 +198,22 @@ class Scheduler:
         self.tenants[tenant.name] = tenant
         self.queues.setdefault(tenant.name, deque())
         self.tenant_stats.setdefault(tenant.name, TenantStats())
+
+    def live_requests(self, tenant: str) -> int:
+        """Requests of ``tenant`` queued, running or swapped out."""
+        return sum(1 for r in self.requests.values() if r.tenant == tenant)
+
+    def remove_tenant(self, name: str) -> None:
+        """Forget a tenant with no live request (refused otherwise)."""
+        if name not in self.tenants:
+            raise ValueError(f"no tenant {name!r}")
+        live = self.live_requests(name)
+        if live:
+            raise ValueError(f"tenant {name!r} has {live} live requests: drain them first")
+        self.kv.remove_tenant(name)
+        for table in (self.tenants, self.limiters, self.queues, self.tenant_stats):
+            table.pop(name, None)
+        self.counters.forget(name)
 
     # -- admission -------------------------------------------------------------
 
@@ -390,11 +409,22 @@ class Scheduler:
                 stats = self.tenant_stats[request.tenant]
                 stats.prompt_tokens += len(request.prompt)
                 stats.cached_tokens += hit.num_tokens
+                self._count_prefix_hit(hit)
             if not request.charged_input:
                 self.counters.charge(request.tenant, input_tokens=len(request.prompt))
                 request.charged_input = True
             work.append((request, n))
             budget -= n
+
+    def _count_prefix_hit(self, hit: PrefixHit) -> None:
+        name = hit.scope.public_prefix
+        if name is None:
+            return
+        counts = self.prefix_hits.setdefault(name, [0, 0, 0])
+        served = min(hit.num_tokens, hit.scope.public_blocks * self.kv.block_size)
+        counts[0] += 1
+        counts[1] += served > 0
+        counts[2] += served
 
     def _ensure_pages(
         self, request: Request, n: int, hit: PrefixHit | None, work: list[tuple[Request, int]]

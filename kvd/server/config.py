@@ -33,6 +33,7 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     admin_socket: str = "/run/kvd/admin.sock"
     admin_socket_mode: str = "0660"
     admin_group: str | None = None
+    state_file: str = "/var/lib/kvd/state.json"  # admin changes, kept across restarts
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     hard_deadline: float = 1.5  # seconds after the drain timeout before exiting regardless
     max_body: str = "1MiB"

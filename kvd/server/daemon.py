@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from kvd.kv.layout import build_layout
 from kvd.sched.costmodel import measure_rates
 from kvd.sched.ratelimit import RateLimits
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
+from kvd.server import systemd
+from kvd.server.admin import Admin, create_admin_app
 from kvd.server.config import (
     Config,
     ConfigError,
@@ -46,10 +49,12 @@ from kvd.server.config import (
     pages_of,
     parse_listen,
     read_token_file,
+    socket_mode,
 )
 from kvd.server.http import ServerState, TenantAccess, create_app
 from kvd.server.metrics import Metrics
 from kvd.server.runtime import Runtime
+from kvd.server.state import LiveState, PrefixTokens, StateError, StateStore, from_config
 
 log = structlog.get_logger("kvd")
 
@@ -62,6 +67,7 @@ class Loaded:
     model: LoadedModel
     pool_pages: int
     page_bytes: int
+    live: LiveState  # what the admin API changes, as applied
 
 
 def _free_memory_bytes() -> int:
@@ -100,8 +106,14 @@ def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
     return blocks * config.pool.block_size, layout.page_bytes
 
 
-def load(config: Config, progress: Callable[[str, dict[str, Any]], None]) -> Loaded:
-    """Everything before serving; runs in a worker thread."""
+def load(
+    config: Config,
+    progress: Callable[[str, dict[str, Any]], None],
+    saved: LiveState | None = None,
+) -> Loaded:
+    """Everything before serving; runs in a worker thread. ``saved`` (the
+    persisted admin state) overrides the config's tenants, budget mode,
+    sharing policy and public prefixes."""
     cfg = config.model
     progress("lifecycle.loading", {"source": cfg.source, "dtype": cfg.dtype})
     if cfg.source == "random":
@@ -129,19 +141,26 @@ def load(config: Config, progress: Callable[[str, dict[str, Any]], None]) -> Loa
         "lifecycle.pool",
         {"pages": pool_pages, "page_bytes": page_bytes, "tokens_per_group": pool_tokens},
     )
+    live = saved or from_config(config, config_prefixes(config, model))
+    if saved is not None:
+        progress("lifecycle.state_restored", {"tenants": [t.name for t in saved.tenants]})
     scheduler = Scheduler(
         engine,
         SchedulerConfig(
             tiers=tuple(config.tiers),
-            mode=config.budget.mode,
-            policy=config.sharing.policy,
+            mode=live.mode,
+            policy=live.policy,
             preemption=config.budget.preemption,
         ),
     )
     # Budgets and prefixes are checked against the real pool before the long
     # warm-up, so a configuration the pool cannot honour fails in seconds.
-    apply_prefixes(config, scheduler)
-    for entry in config.tenants:
+    for prefix in live.prefixes:
+        try:
+            scheduler.kv.add_public_prefix(prefix.name, prefix.tokens)
+        except ValueError as exc:
+            raise ConfigError(f"prefixes.{prefix.name}: {exc}") from None
+    for entry in live.tenants:
         scheduler.set_tenant(tenant_config(config, entry, page_bytes, pool_pages))
     last = [0.0]
 
@@ -167,7 +186,7 @@ def load(config: Config, progress: Callable[[str, dict[str, Any]], None]) -> Loa
             "crossover_tokens": rates.crossover_tokens(),
         },
     )
-    return Loaded(scheduler, model, pool_pages, page_bytes)
+    return Loaded(scheduler, model, pool_pages, page_bytes, live)
 
 
 def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) -> TenantConfig:
@@ -187,33 +206,75 @@ def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) 
     )
 
 
-def apply_prefixes(config: Config, scheduler: Scheduler) -> None:
-    tokenizer = scheduler.engine.model.tokenizer
+def config_prefixes(config: Config, model: LoadedModel) -> list[PrefixTokens]:
+    """The config's public prefixes as token ids (text is tokenized like a prompt)."""
+    out = []
     for prefix in config.prefixes:
         if prefix.text is not None:
-            tokens = tokenizer.encode(prefix.text)
+            tokens = model.tokenizer.encode(prefix.text)
         else:
             assert prefix.token_file is not None
             tokens = read_token_file(config.path(prefix.token_file))
-        vocab = scheduler.engine.model.config.vocab_size
+        vocab = model.config.vocab_size
         if any(not 0 <= t < vocab for t in tokens):
             raise ConfigError(f"prefixes.{prefix.name}: token ids outside the vocabulary")
-        try:
-            scheduler.kv.add_public_prefix(prefix.name, tokens)
-        except ValueError as exc:
-            raise ConfigError(f"prefixes.{prefix.name}: {exc}") from None
+        out.append(PrefixTokens(prefix.name, tokens))
+    return out
 
 
 class _Hypercorn(HypercornConfig):
     """Listening sockets with TCP_USER_TIMEOUT (inherited by accepted
-    connections), so a peer that vanished cannot pin a connection forever."""
+    connections), so a peer that vanished cannot pin a connection forever;
+    a Unix socket gets its mode (bound under a umask, so it is never more
+    open than asked) and its group."""
+
+    socket_mode: int | None = None
+    socket_group: str | None = None
 
     def create_sockets(self) -> Any:
+        if self.socket_mode is not None:
+            self.umask = 0o777 & ~self.socket_mode
         sockets = super().create_sockets()
         for sock in sockets.insecure_sockets:
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
+            elif sock.family == socket.AF_UNIX:
+                path = sock.getsockname()
+                if self.socket_group is not None:
+                    os.chown(path, -1, _group_id(self.socket_group))
+                if self.socket_mode is not None:
+                    os.chmod(path, self.socket_mode)
         return sockets
+
+
+def _group_id(name: str) -> int:
+    import grp
+
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"server.admin_group: no group {name!r}") from None
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Make the socket's directory; remove a stale socket a dead daemon left,
+    but never one a live daemon still answers on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise ConfigError(f"{path}: exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        path.unlink()  # nobody listens: left behind by a crash
+        return
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"{path}: another daemon is listening on this admin socket")
 
 
 class Daemon:
@@ -238,6 +299,9 @@ class Daemon:
             queue_timeout=config.server.queue_timeout,
             status="loading",
         )
+        self.store = StateStore(config.path(config.server.state_file))
+        self.admin_socket = config.path(config.server.admin_socket)
+        self.admin = Admin(config, self.state, self.store, describe_device)
         self._stop = trio.Event()  # first signal: drain, then stop
         self._http_stopped = trio.Event()  # hypercorn's shutdown trigger
         self._load_scope = trio.CancelScope()
@@ -248,14 +312,18 @@ class Daemon:
         """Serve until a signal; returns the exit status."""
         config = self.config
         log.info("lifecycle.start", version=__version__, pid=os.getpid(), model=config.served_model)
-        async with trio.open_nursery() as nursery:  # signals and the engine task
+        saved = self.store.load()  # a corrupt state file stops the start here
+        async with trio.open_nursery() as nursery:  # signals, watchdog, the engine task
             nursery.start_soon(self._watch_signals)
+            nursery.start_soon(systemd.watchdog)
             async with trio.open_nursery() as http:
                 await self._start_http(http)
+                await self._start_admin(http)
+                systemd.notify("STATUS=loading the model and compiling")
                 loaded = None
                 with self._load_scope:
                     loaded = await trio.to_thread.run_sync(
-                        lambda: load(config, _log_progress), abandon_on_cancel=True
+                        lambda: load(config, _log_progress, saved), abandon_on_cancel=True
                     )
                 if loaded is not None:
                     self._go_live(nursery, loaded)
@@ -265,6 +333,7 @@ class Daemon:
                     self.clean = True  # stopped while loading: nothing to drain
                 self._http_stopped.set()
             nursery.cancel_scope.cancel()
+        self.admin_socket.unlink(missing_ok=True)
         self._report_stopped()
         return 0
 
@@ -284,11 +353,32 @@ class Daemon:
         bound = await nursery.start(serve)
         log.info("lifecycle.listening", addresses=bound)
 
+    async def _start_admin(self, nursery: trio.Nursery) -> None:
+        """The admin API on its Unix socket (a separate app: one app served
+        twice would run its start-up hooks twice)."""
+        prepare_socket_path(self.admin_socket)
+        hconfig = _Hypercorn()
+        hconfig.bind = [f"unix:{self.admin_socket}"]
+        hconfig.accesslog = None
+        hconfig.graceful_timeout = 1.0
+        hconfig.socket_mode = socket_mode(self.config)
+        hconfig.socket_group = self.config.server.admin_group
+        app = create_admin_app(self.admin)
+
+        async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(
+                app, hconfig, shutdown_trigger=self._http_stopped.wait, task_status=task_status
+            )
+
+        await nursery.start(serve)
+        log.info("lifecycle.admin_socket", path=str(self.admin_socket))
+
     def _go_live(self, nursery: trio.Nursery, loaded: Loaded) -> None:
         runtime = Runtime(loaded.scheduler, step_log_interval=self.config.server.step_log_interval)
         self.runtime = runtime
         state = self.state
         state.runtime = runtime
+        self.admin.live = loaded.live
         state.tokenizer = loaded.model.tokenizer
         state.vocab_size = loaded.model.config.vocab_size
         nursery.start_soon(runtime.run)
@@ -305,6 +395,7 @@ class Daemon:
             tenants=tenants,
             prefixes=[name for name, _ in loaded.scheduler.kv.public.items()],
         )
+        systemd.notify("READY=1", "STATUS=serving")
 
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -317,6 +408,8 @@ class Daemon:
                 log.info("lifecycle.signal", signal=name)
                 self._arm_hard_deadline()
                 self.state.status = "draining"
+                self.admin.shutting_down = True
+                systemd.notify("STOPPING=1", "STATUS=draining")
                 if self.runtime is not None:
                     self.runtime.draining = True
                 self._load_scope.cancel()  # a no-op once loaded
@@ -328,7 +421,10 @@ class Daemon:
         timeout = self.config.server.drain_timeout
         log.info("lifecycle.draining", in_flight=runtime.in_flight, timeout_s=timeout)
         with trio.move_on_after(timeout):
-            await runtime.wait_idle()
+            while runtime.in_flight:
+                systemd.notify(f"STATUS=draining: {runtime.in_flight} requests in flight")
+                with trio.move_on_after(1.0):
+                    await runtime.wait_idle()
         if runtime.in_flight:
             aborted = runtime.abort_all()
             log.warning("lifecycle.drain_timeout", aborted=aborted)
@@ -362,6 +458,13 @@ class Daemon:
         log.info("lifecycle.stopped", **fields)
 
 
+def describe_device() -> str:
+    import jax
+
+    device = jax.devices()[0]
+    return f"{device.platform}: {device.device_kind} x{jax.device_count()}"
+
+
 def _log_progress(event: str, fields: dict[str, Any]) -> None:
     log.info(event, **fields)
 
@@ -388,7 +491,9 @@ def startup_failure(exc: BaseException) -> str | None:
 
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    if isinstance(exc, ConfigError | ModelLoadError | BudgetError | EngineError | OSError):
+    if isinstance(
+        exc, ConfigError | StateError | ModelLoadError | BudgetError | EngineError | OSError
+    ):
         log.error("lifecycle.failed", error=str(exc))
         return str(exc)
     return None

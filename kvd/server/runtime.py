@@ -17,7 +17,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import trio
@@ -26,6 +26,7 @@ from kvd.engine.sampling import SamplingParams
 from kvd.sched.scheduler import Rejection, Request, Scheduler, SchedulerStats, StepEvent
 
 log = structlog.get_logger("kvd")
+T = TypeVar("T")
 
 SNAPSHOT_INTERVAL_S = 0.2  # how stale /metrics may be while the engine is busy
 IDLE_POLL_S = 0.25  # deadlines and snapshots still advance while idle
@@ -144,6 +145,26 @@ class Runtime:
             self.cancel(ticket)
             ticket.accepted.set()
         return len(tickets)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine task at the next step boundary (admin
+        changes: atomic with respect to steps); its exception is re-raised here."""
+        done = trio.Event()
+        outcome: list[Any] = []
+
+        def apply() -> None:
+            try:
+                outcome.append((True, fn()))
+            except Exception as exc:  # noqa: BLE001  # handed back to the caller
+                outcome.append((False, exc))
+            done.set()
+
+        self._post(apply)
+        await done.wait()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
 
     async def settle(self) -> None:
         """Until every command posted so far has been applied (after any step

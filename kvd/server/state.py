@@ -1,0 +1,134 @@
+"""The live state operators change through the admin API, persisted.
+
+What kvctl can change (tenants, budget mode, sharing policy, public prefixes)
+and the audit log are written to one JSON file after every change: a
+temporary file, fsync, rename over the old one, fsync of the directory, so a
+crash leaves the old file or the new one, never a mix. The file carries a
+SHA-256 of its content: a truncated or edited file is detected and refused
+with a clear error, never silently ignored. The previous good file is kept
+beside it (``.prev``) so an operator can roll back.
+
+When the file exists, it overrides those sections of the configuration on
+start; everything else (model, pool, listen address) comes from the config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvd.kv.ledger import BudgetMode
+from kvd.kv.scope import SharingPolicy
+from kvd.server.config import Config, TenantEntry
+
+FORMAT = "kvd-state/1"
+AUDIT_KEPT = 256
+
+
+class StateError(ValueError):
+    """The state file is unreadable or corrupt; the message says what to do."""
+
+
+class PrefixTokens(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    tokens: list[int]
+
+
+class AuditEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    at: str  # ISO 8601, UTC
+    op: str
+    detail: dict[str, Any]
+
+
+class LiveState(msgspec.Struct, forbid_unknown_fields=True):
+    tenants: list[TenantEntry]
+    mode: BudgetMode
+    policy: SharingPolicy
+    prefixes: list[PrefixTokens]
+    audit: list[AuditEntry] = msgspec.field(default_factory=list)
+
+
+class _File(msgspec.Struct, forbid_unknown_fields=True):
+    format: str
+    sha256: str
+    state: msgspec.Raw
+
+
+def _digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+class StateStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.previous = path.with_name(path.name + ".prev")
+
+    def load(self) -> LiveState | None:
+        """The saved state, None if there is none; raises StateError if corrupt."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateError(f"{self.path}: cannot read the state file: {exc}") from None
+        try:
+            wrapper = msgspec.json.decode(data, type=_File)
+            if wrapper.format != FORMAT:
+                raise ValueError(f"unknown format {wrapper.format!r} (expected {FORMAT})")
+            raw = bytes(wrapper.state)
+            if _digest(raw) != wrapper.sha256:
+                raise ValueError("its checksum does not match its content")
+            return msgspec.json.decode(raw, type=LiveState)
+        except (msgspec.DecodeError, ValueError) as exc:
+            hint = (
+                f"the previous good state is in {self.previous}: move it into place to use it"
+                if self.previous.exists()
+                else "there is no previous good state"
+            )
+            raise StateError(
+                f"{self.path}: the state file is corrupt ({exc}); kvd will not start from it. "
+                f"{hint}, or remove the file to start from the configuration"
+            ) from None
+
+    def save(self, state: LiveState) -> None:
+        raw = msgspec.json.encode(state)
+        body = msgspec.json.encode(
+            {"format": FORMAT, "sha256": _digest(raw), "state": msgspec.Raw(raw)}
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            try:
+                self.load()
+            except StateError:
+                pass  # never keep a corrupt file as the "previous good" one
+            else:
+                self._write(self.previous, self.path.read_bytes())
+        self._write(self.path, body)
+
+    def _write(self, target: Path, body: bytes) -> None:
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, target)
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def from_config(config: Config, prefixes: list[PrefixTokens]) -> LiveState:
+    return LiveState(
+        tenants=list(config.tenants),
+        mode=config.budget.mode,
+        policy=config.sharing.policy,
+        prefixes=prefixes,
+    )
