@@ -172,6 +172,7 @@ class Scheduler:
         self.swapped: dict[str, Request] = {}
         self.tenant_stats: dict[str, TenantStats] = {}
         self.steps = 0
+        self.stalled = False
         self._seq_ids = itertools.count(1)
         self._ttft: list[float] = []
         self._itl: list[float] = []
@@ -306,6 +307,7 @@ class Scheduler:
         budget = self._schedule_running(work, budget)
         budget = self._swap_in(work, budget)
         self._admit(work, budget, now)
+        self.stalled = not work  # waiting work that cannot start until something changes
         if not work:
             return events
         batch = [(r.seq, n, r.params) for r, n in work if r.seq is not None]

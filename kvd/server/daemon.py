@@ -37,6 +37,7 @@ from kvd import __version__
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
 from kvd.kv.layout import build_layout
+from kvd.kv.ledger import BudgetMode
 from kvd.sched.costmodel import measure_rates
 from kvd.sched.ratelimit import RateLimits
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
@@ -172,7 +173,10 @@ def load(
 
     seconds = engine.warm_up(warm)
     progress("lifecycle.warm", {"seconds": round(seconds, 2), "programs": engine.compiled_shapes()})
-    rates = measure_rates(engine)  # as the engine's own tenant, before anyone else's work
+    # Calibrate as the engine's own tenant, outside every budget, before anyone's work.
+    engine.kv.set_mode(BudgetMode.FREE)
+    rates = measure_rates(engine)
+    engine.kv.set_mode(live.mode)
     # The calibration's prompts are nobody's: forget their pages and counts.
     engine.kv.flush_cache()
     engine.kv.prefix_query_tokens = engine.kv.prefix_hit_tokens = 0
@@ -379,6 +383,14 @@ class Daemon:
         state = self.state
         state.runtime = runtime
         self.admin.live = loaded.live
+        # The keys of the tenants in force (the state file's, after a restart).
+        state.keys.clear()
+        state.keys.update(
+            {
+                t.api_key_sha256: TenantAccess(t.name, t.tier or self.config.tiers[0])
+                for t in loaded.live.tenants
+            }
+        )
         state.tokenizer = loaded.model.tokenizer
         state.vocab_size = loaded.model.config.vocab_size
         nursery.start_soon(runtime.run)

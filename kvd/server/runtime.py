@@ -202,6 +202,13 @@ class Runtime:
             now = time.monotonic()
             self._dispatch(events)
             self._log_preemptions()
+            if scheduler.stalled:
+                # Requests wait for pages or budget that only a change (an
+                # admin command, a cancel) or a deadline can bring: no spinning.
+                self._refresh(now, force=True)
+                with trio.move_on_after(IDLE_POLL_S):
+                    await self._wake.wait()
+                continue
             totals = self._totals
             totals.steps += 1
             totals.tokens += len(events)

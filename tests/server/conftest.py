@@ -14,6 +14,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import httpx
 import pytest
 
 ALICE, BOB, CAROL = "kvd-dev-alice", "kvd-dev-bob", "kvd-test-carol"
+DaemonEnv = dict[str, str]
 
 
 def digest(key: str) -> str:
@@ -35,6 +37,8 @@ tiers = ["interactive", "batch"]
 
 [server]
 listen = "127.0.0.1:0"
+admin_socket = "{{admin_socket}}"
+state_file = "state.json"
 drain_timeout = {{drain_timeout}}
 hard_deadline = 1.5
 max_body = "64KiB"
@@ -86,6 +90,7 @@ class DaemonProcess:
         try:
             listening = self.wait_for("lifecycle.listening", ready_timeout)
             self.url = listening["addresses"][0]
+            self.admin_socket = Path(self.wait_for("lifecycle.admin_socket")["path"])
             self.wait_for("lifecycle.ready", ready_timeout)
         except BaseException:
             self.kill()
@@ -192,7 +197,15 @@ def daemon_env(kvd_cache: Path) -> dict[str, str]:
 
 
 def write_config(path: Path, **values: Any) -> Path:
-    settings = {"drain_timeout": 5.0, "max_model_len": 256, "pool": "8MiB"} | values
+    # Unix socket paths are limited to 107 bytes: keep them out of pytest's
+    # long temporary paths.
+    socket_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    settings = {
+        "drain_timeout": 5.0,
+        "max_model_len": 256,
+        "pool": "8MiB",
+        "admin_socket": f"{socket_dir}/admin.sock",
+    } | values
     path.write_text(TINY_CONFIG.format(**settings))
     return path
 

@@ -6,6 +6,7 @@ import json
 import random
 import signal
 import socket
+import tempfile
 import threading
 import time
 from typing import Any
@@ -227,3 +228,41 @@ def test_startup_failures_are_one_line_and_exit_1(
         )
     assert result.returncode == 1
     assert "kvd: error:" in result.stderr and "in use" in result.stderr
+
+
+def test_systemd_notify_ready_status_watchdog(tmp_path: Any, daemon_env: dict[str, str]) -> None:
+    from tests.server.conftest import write_config
+
+    notify_path = f"{tempfile.mkdtemp(prefix='kvd-', dir='/tmp')}/notify"
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(notify_path)
+    receiver.settimeout(0.2)
+    messages: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def receive() -> None:
+        while not stop.is_set():
+            try:
+                messages.append((time.monotonic(), receiver.recv(4096).decode()))
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    env = daemon_env | {"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "400000"}
+    try:
+        daemon = DaemonProcess(write_config(tmp_path / "kvd.toml"), env)
+        ready_at = time.monotonic()
+        time.sleep(1.0)
+        assert daemon.terminate() == 0
+    finally:
+        stop.set()
+        thread.join()
+        receiver.close()
+    texts = [text for _, text in messages if text != "WATCHDOG=1"]
+    assert texts[0].startswith("STATUS=loading") and texts[1] == "READY=1\nSTATUS=serving"
+    texts = [text for _, text in messages]
+    ready = [at for at, text in messages if "READY=1" in text]
+    assert len(ready) == 1 and ready[0] <= ready_at + 0.5
+    assert sum(text == "WATCHDOG=1" for text in texts) >= 3
+    assert any(text.startswith("STOPPING=1") for text in texts)
