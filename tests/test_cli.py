@@ -101,9 +101,9 @@ def test_capacity_bad_input_is_one_line_and_exit_2(args: list[str]) -> None:
     assert len(lines) == 1 and lines[0].startswith("kvctl: error: ")
 
 
-def test_serve_says_not_yet() -> None:
-    out = run("kvd", "serve", "--config", "etc/kvd.dev.toml")
-    assert out.returncode == 1 and "not available yet" in out.stderr
+def test_serve_needs_a_config() -> None:
+    out = run("kvd", "serve")
+    assert out.returncode == 2 and "--config" in out.stderr
 
 
 def test_bench_kv_prints_figures() -> None:
