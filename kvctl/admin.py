@@ -32,7 +32,7 @@ class Client:
         try:
             with httpx.Client(transport=transport, base_url="http://kvd", timeout=60) as http:
                 response = http.request(method, path, json=body)
-        except (httpx.ConnectError, httpx.TimeoutException, OSError) as exc:
+        except (httpx.TransportError, OSError) as exc:
             fail(
                 f"cannot reach kvd at {self.socket_path}: {_reason(exc)}",
                 code=EXIT_UNREACHABLE,

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import click
 import msgspec
@@ -152,7 +153,7 @@ def tenant_set(ctx: click.Context, name: str, as_json: bool, **options: Any) -> 
     fields = _tenant_fields(**options)
     if not fields:
         fail("nothing to change: give at least one option")
-    result = admin.client(ctx).request("PATCH", f"/v1/tenants/{name}", fields)
+    result = admin.client(ctx).request("PATCH", f"/v1/tenants/{quote(name, safe='')}", fields)
     admin.done(result, as_json, f"tenant {name} changed")
 
 
@@ -162,7 +163,7 @@ def tenant_set(ctx: click.Context, name: str, as_json: bool, **options: Any) -> 
 @click.pass_context
 def tenant_remove(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove a tenant (refused while it has requests in flight)."""
-    result = admin.client(ctx).request("DELETE", f"/v1/tenants/{name}")
+    result = admin.client(ctx).request("DELETE", f"/v1/tenants/{quote(name, safe='')}")
     admin.done(result, as_json, f"tenant {name} removed")
 
 
@@ -261,7 +262,7 @@ def prefix_list(ctx: click.Context, as_json: bool) -> None:
 @_JSON
 @click.pass_context
 def prefix_remove(ctx: click.Context, name: str, as_json: bool) -> None:
-    result = admin.client(ctx).request("DELETE", f"/v1/prefixes/{name}")
+    result = admin.client(ctx).request("DELETE", f"/v1/prefixes/{quote(name, safe='')}")
     admin.done(result, as_json, f"prefix {name} removed")
 
 

@@ -51,13 +51,15 @@ class LoadReport(msgspec.Struct, frozen=True):
     http_vs_inprocess: float | None = None
 
 
-def _config(model: str, clients: int, max_model_len: int) -> str:
+def _config(model: str, clients: int, max_model_len: int, admin_socket: str) -> str:
     import hashlib
 
     digest = hashlib.sha256(KEY.encode()).hexdigest()
     return f"""
 [server]
 listen = "127.0.0.1:0"
+metrics_listen = "127.0.0.1:0"
+admin_socket = "{admin_socket}"
 drain_timeout = 30.0
 step_log_interval = 5.0
 
@@ -155,7 +157,9 @@ async def _client(
                 stats.incomplete += 1
 
 
-def _start_daemon(config: Path, log: Callable[[str], None]) -> tuple[subprocess.Popen[str], str]:
+def _start_daemon(
+    config: Path, log: Callable[[str], None]
+) -> tuple[subprocess.Popen[str], str, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
         stdout=subprocess.PIPE,
@@ -163,7 +167,7 @@ def _start_daemon(config: Path, log: Callable[[str], None]) -> tuple[subprocess.
         text=True,
     )
     assert proc.stdout is not None
-    url = None
+    url = metrics_url = None
     for line in proc.stdout:
         try:
             event = json.loads(line)
@@ -172,6 +176,8 @@ def _start_daemon(config: Path, log: Callable[[str], None]) -> tuple[subprocess.
         name = event.get("event")
         if name == "lifecycle.listening":
             url = event["addresses"][0]
+        elif name == "lifecycle.metrics_listening":
+            metrics_url = event["addresses"][0]
         elif name == "lifecycle.warm":
             log(f"daemon warm: {event['programs']} programs in {event['seconds']} s")
         elif name == "lifecycle.ready":
@@ -188,8 +194,8 @@ def _start_daemon(config: Path, log: Callable[[str], None]) -> tuple[subprocess.
             pass
 
     threading.Thread(target=drain, daemon=True).start()
-    assert url is not None
-    return proc, url
+    assert url is not None and metrics_url is not None
+    return proc, url, metrics_url
 
 
 def _used_pages(url: str) -> int:
@@ -215,9 +221,9 @@ def run_http_load(
     max_model_len = 1024
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "bench.toml"
-        config.write_text(_config(model, clients, max_model_len))
+        config.write_text(_config(model, clients, max_model_len, f"{tmp}/admin.sock"))
         log(f"starting kvd serve ({model})")
-        proc, url = _start_daemon(config, log)
+        proc, url, metrics_url = _start_daemon(config, log)
         stats = _Stats()
         try:
             log(f"{clients} streaming clients for {duration:.0f} s")
@@ -232,7 +238,7 @@ def run_http_load(
 
             elapsed = trio.run(load)
             time.sleep(0.5)  # the metrics snapshot trails by < 0.3 s
-            leaked = _used_pages(url)
+            leaked = _used_pages(metrics_url)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)

@@ -173,6 +173,7 @@ class Scheduler:
         self.tenant_stats: dict[str, TenantStats] = {}
         self.steps = 0
         self.stalled = False
+        self.preemptions = 0
         self._seq_ids = itertools.count(1)
         self._ttft: list[float] = []
         self._itl: list[float] = []
@@ -247,6 +248,18 @@ class Scheduler:
                 "prompt_too_long",
                 f"the prompt has {len(prompt)} tokens; the context is {limit} tokens",
             )
+        pages = self.kv.layout.pages_for_tokens(
+            len(prompt) + min(params.max_tokens, limit - len(prompt))
+        )
+        most = self.kv.ledger.capacity if config.cap_pages is None else config.cap_pages
+        if pages > most:
+            raise Rejection(
+                413,
+                "too_large",
+                f"prompt plus max_tokens need {pages} KV pages; "
+                f"{'the pool has' if config.cap_pages is None else 'your burst cap is'} "
+                f"{most}: lower max_tokens or shorten the prompt",
+            )
         tier_name = tier or config.tier
         if tier_name not in self.config.tiers:
             raise Rejection(400, "bad_tier", f"unknown priority tier {tier_name!r}")
@@ -260,6 +273,10 @@ class Scheduler:
         try:
             self.limiters[tenant].admit(budget_tokens, now)
         except RateLimited as exc:
+            if exc.retry_after is None:  # larger than a whole minute's allowance
+                raise Rejection(
+                    400, "exceeds_rate_limit", f"{exc}: lower max_tokens or the prompt"
+                ) from None
             self.tenant_stats[tenant].rate_limited += 1
             raise Rejection(429, "rate_limited", str(exc), exc.retry_after) from None
         request = Request(
@@ -304,10 +321,13 @@ class Scheduler:
         self._expire(now, events)
         work: list[tuple[Request, int]] = []
         budget = self.engine.config.max_num_batched_tokens
+        preempted = self.preemptions
         budget = self._schedule_running(work, budget)
         budget = self._swap_in(work, budget)
         self._admit(work, budget, now)
-        self.stalled = not work  # waiting work that cannot start until something changes
+        # Waiting work that nothing in this step could start, and nothing was
+        # freed for: only a change (a cancel, an admin command) or time can help.
+        self.stalled = not work and self.preemptions == preempted and not events
         if not work:
             return events
         batch = [(r.seq, n, r.params) for r, n in work if r.seq is not None]
@@ -479,6 +499,7 @@ class Scheduler:
         stats = self.tenant_stats[request.tenant]
         del self.running[request.request_id]
         request.preemptions += 1
+        self.preemptions += 1
         if seq.num_computed == 0:
             kind = "recompute"  # nothing computed yet: nothing to swap
         self.preemption_log.append((request.request_id, request.tenant, kind))

@@ -216,12 +216,13 @@ class Admin:
         def run() -> None:
             undo = apply()
             entry = AuditEntry(datetime.now(UTC).isoformat(timespec="seconds"), op, detail)
-            self.live.audit = [*self.live.audit, entry][-AUDIT_KEPT:]
+            audit = self.live.audit
+            self.live.audit = [*audit, entry][-AUDIT_KEPT:]
             try:
                 self.store.save(self.live)
             except OSError as exc:
                 undo()
-                self.live.audit = self.live.audit[:-1]
+                self.live.audit = audit
                 raise AdminError(
                     500, f"the change was undone: the state file could not be written: {exc}"
                 ) from None
@@ -258,6 +259,8 @@ class Admin:
             raise AdminError(409, f"tenant {entry.name!r} already exists")
 
         def apply() -> Callable[[], None]:
+            if any(t.name == entry.name for t in self.live.tenants):
+                raise ValueError(f"tenant {entry.name!r} already exists")
             tenants = [*self.live.tenants, entry]
             self._checked(tenants)
             scheduler = self.runtime.scheduler
@@ -276,13 +279,14 @@ class Admin:
         return await self.change("tenant.add", _redacted(entry), apply)
 
     async def tenant_set(self, name: str, patch: TenantPatch) -> dict[str, Any]:
-        index, old = self._entry(name)
         changes = {k: v for k, v in msgspec.structs.asdict(patch).items() if v is not UNSET}
         if not changes:
             raise AdminError(400, "nothing to change")
-        new = msgspec.structs.replace(old, **changes)
+        self._entry(name)  # 404 early; looked up again at the step boundary
 
         def apply() -> Callable[[], None]:
+            index, old = self._entry(name)
+            new = msgspec.structs.replace(old, **changes)
             tenants = list(self.live.tenants)
             tenants[index] = new
             self._checked(tenants)
@@ -308,11 +312,17 @@ class Admin:
         return await self.change("tenant.set", detail, apply)
 
     async def tenant_remove(self, name: str) -> dict[str, Any]:
-        index, old = self._entry(name)
+        self._entry(name)
 
         def apply() -> Callable[[], None]:
+            _, old = self._entry(name)
+            if len(self.live.tenants) == 1:
+                raise ValueError("cannot remove the last tenant")
             scheduler = self.runtime.scheduler
             scheduler.remove_tenant(name)  # refuses while the tenant has live requests
+            # Its cached prompts must not serve a tenant added later under the
+            # same name: forget every page nobody uses.
+            scheduler.kv.flush_cache()
             old_tenants = self.live.tenants
             self.live.tenants = [t for t in old_tenants if t.name != name]
             self.server.keys.pop(old.api_key_sha256, None)
@@ -324,8 +334,6 @@ class Admin:
 
             return undo
 
-        if len(self.live.tenants) == 1:
-            raise AdminError(409, "cannot remove the last tenant")
         return await self.change("tenant.remove", {"name": name}, apply)
 
     async def set_mode(self, mode: BudgetMode) -> dict[str, Any]:
@@ -394,7 +402,9 @@ class Admin:
         def apply() -> Callable[[], None]:
             kv = self.runtime.scheduler.kv
             old = self.live.prefixes
-            removed = next(p for p in old if p.name == name)
+            removed = next((p for p in old if p.name == name), None)
+            if removed is None:
+                raise ValueError(f"no public prefix {name!r}")
             kv.remove_public_prefix(name)
             self.live.prefixes = [p for p in old if p.name != name]
 
@@ -540,6 +550,12 @@ def create_admin_app(admin: Admin) -> QuartTrio:
     @app.post("/v1/undrain")
     async def undrain() -> Response:
         return reply(await admin.undrain())
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(
+            admin.server.metrics.render(), 200, content_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/v1/audit")
     async def audit() -> Response:

@@ -70,21 +70,22 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # OpenAI accepts null for every optional parameter: null means the default.
     model: str
     max_tokens: Count | None = None
-    temperature: NonNegative = 1.0
-    top_p: TopP = 1.0
-    n: Count = 1
-    stream: bool = False
+    temperature: NonNegative | None = None  # default 1.0
+    top_p: TopP | None = None  # default 1.0
+    n: Count | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Int64 | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions, as vLLM spells them.
-    top_k: Annotated[int, Meta(ge=-1)] = 0  # 0 or -1: off
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None  # 0 or -1: off
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     priority: int | str | None = None  # a tier: its name, or its index (0 = most important)
@@ -93,7 +94,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class CompletionRequest(_Common, forbid_unknown_fields=True, frozen=True):
     prompt: str | list[Any] = ""
     logprobs: Annotated[int, Meta(ge=0)] | None = None
-    echo: bool = False
+    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -116,7 +117,7 @@ class ResponseFormat(msgspec.Struct, frozen=True):
 class ChatRequest(_Common, forbid_unknown_fields=True, frozen=True):
     messages: list[Message] = msgspec.field(default_factory=list)
     max_completion_tokens: Count | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
@@ -163,14 +164,14 @@ def decode_body(body: bytes, kind: type[_Common]) -> Any:
 
 def _unsupported(request: _Common) -> None:
     checks: list[tuple[bool, str, str]] = [
-        (request.n != 1, "n", "only n=1 is supported"),
-        (request.presence_penalty != 0, "presence_penalty", "penalties are not supported"),
-        (request.frequency_penalty != 0, "frequency_penalty", "penalties are not supported"),
+        (request.n not in (None, 1), "n", "only n=1 is supported"),
+        (bool(request.presence_penalty), "presence_penalty", "penalties are not supported"),
+        (bool(request.frequency_penalty), "frequency_penalty", "penalties are not supported"),
         (bool(request.logit_bias), "logit_bias", "logit_bias is not supported"),
     ]
     if isinstance(request, CompletionRequest):
         checks += [
-            (request.echo, "echo", "echo is not supported"),
+            (bool(request.echo), "echo", "echo is not supported"),
             (request.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
             (bool(request.suffix), "suffix", "suffix is not supported"),
             (
@@ -274,7 +275,7 @@ def prepare(
         except TokenizerError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         max_tokens = request.max_completion_tokens or request.max_tokens
-        want_logprobs = request.logprobs
+        want_logprobs = bool(request.logprobs)
     else:
         assert isinstance(request, CompletionRequest)
         if isinstance(request.prompt, str):
@@ -307,10 +308,13 @@ def prepare(
             code="context_length_exceeded",
         )
     seed = None if request.seed is None else request.seed % 2**32
+    top_k = max(0, request.top_k or 0)
+    if top_k > vocab:
+        raise ApiError(400, f"top_k must be at most the vocabulary size {vocab}", param="top_k")
     params = SamplingParams(
-        temperature=request.temperature,
-        top_k=max(0, request.top_k),
-        top_p=request.top_p,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_k=top_k,
+        top_p=1.0 if request.top_p is None else request.top_p,
         seed=seed,
         max_tokens=max_tokens,
         stop_token_ids=stop_ids,
@@ -320,7 +324,7 @@ def prepare(
     return Prepared(
         prompt=prompt,
         params=params,
-        stream=request.stream,
+        stream=bool(request.stream),
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         tier=request.priority,
         cache_salt=request.cache_salt,

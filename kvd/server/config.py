@@ -30,6 +30,8 @@ class ConfigError(ValueError):
 
 class ServerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     listen: str = "127.0.0.1:8000"
+    metrics_listen: str = "127.0.0.1:9464"  # Prometheus /metrics (all tenants' figures)
+    max_in_flight: int = 4096  # requests with a client, beyond which 503 (overloaded)
     admin_socket: str = "/run/kvd/admin.sock"
     admin_socket_mode: str = "0660"
     admin_group: str | None = None
@@ -154,6 +156,8 @@ def validate(config: Config) -> None:
     """Checks that need more than one key (what types alone cannot say)."""
     server, model, pool = config.server, config.model, config.pool
     _address(server.listen, "server.listen")
+    _address(server.metrics_listen, "server.metrics_listen")
+    _positive("server.max_in_flight", server.max_in_flight)
     _mode(server.admin_socket_mode)
     _positive("server.drain_timeout", server.drain_timeout, allow_zero=True)
     _positive("server.hard_deadline", server.hard_deadline)

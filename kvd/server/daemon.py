@@ -52,7 +52,7 @@ from kvd.server.config import (
     read_token_file,
     socket_mode,
 )
-from kvd.server.http import ServerState, TenantAccess, create_app
+from kvd.server.http import ServerState, TenantAccess, create_app, create_metrics_app
 from kvd.server.metrics import Metrics
 from kvd.server.runtime import Runtime
 from kvd.server.state import LiveState, PrefixTokens, StateError, StateStore, from_config
@@ -319,7 +319,7 @@ class Daemon:
         saved = self.store.load()  # a corrupt state file stops the start here
         async with trio.open_nursery() as nursery:  # signals, watchdog, the engine task
             nursery.start_soon(self._watch_signals)
-            nursery.start_soon(systemd.watchdog)
+            nursery.start_soon(systemd.watchdog, self._alive)
             async with trio.open_nursery() as http:
                 await self._start_http(http)
                 await self._start_admin(http)
@@ -329,7 +329,7 @@ class Daemon:
                     loaded = await trio.to_thread.run_sync(
                         lambda: load(config, _log_progress, saved), abandon_on_cancel=True
                     )
-                if loaded is not None:
+                if loaded is not None and not self._stop.is_set():
                     self._go_live(nursery, loaded)
                     await self._stop.wait()
                     await self._drain()
@@ -357,6 +357,23 @@ class Daemon:
         bound = await nursery.start(serve)
         log.info("lifecycle.listening", addresses=bound)
 
+        mconfig = _Hypercorn()
+        mconfig.bind = [self.config.server.metrics_listen]
+        mconfig.accesslog = None
+        mconfig.graceful_timeout = 1.0
+        metrics_app = create_metrics_app(self.state.metrics)
+
+        async def serve_metrics(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(
+                metrics_app,
+                mconfig,
+                shutdown_trigger=self._http_stopped.wait,
+                task_status=task_status,
+            )
+
+        bound = await nursery.start(serve_metrics)
+        log.info("lifecycle.metrics_listening", addresses=bound)
+
     async def _start_admin(self, nursery: trio.Nursery) -> None:
         """The admin API on its Unix socket (a separate app: one app served
         twice would run its start-up hooks twice)."""
@@ -378,7 +395,11 @@ class Daemon:
         log.info("lifecycle.admin_socket", path=str(self.admin_socket))
 
     def _go_live(self, nursery: trio.Nursery, loaded: Loaded) -> None:
-        runtime = Runtime(loaded.scheduler, step_log_interval=self.config.server.step_log_interval)
+        runtime = Runtime(
+            loaded.scheduler,
+            step_log_interval=self.config.server.step_log_interval,
+            max_in_flight=self.config.server.max_in_flight,
+        )
         self.runtime = runtime
         state = self.state
         state.runtime = runtime
@@ -408,6 +429,12 @@ class Daemon:
             prefixes=[name for name, _ in loaded.scheduler.kv.public.items()],
         )
         systemd.notify("READY=1", "STATUS=serving")
+
+    def _alive(self, timeout: float) -> bool:
+        """For the systemd watchdog: loading (a worker thread), or the engine
+        task has come round its loop within ``timeout`` seconds."""
+        runtime = self.runtime
+        return runtime is None or time.monotonic() - runtime.heartbeat < timeout
 
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -74,6 +74,18 @@ def _error(exc: ApiError, request_id: str | None = None) -> Response:
     return _json(exc.body(), exc.status, headers)
 
 
+def create_metrics_app(metrics: Metrics) -> QuartTrio:
+    """Prometheus metrics on their own listener (``server.metrics_listen``):
+    they carry every tenant's figures, so never on the tenants' port."""
+    app = QuartTrio("kvd-metrics")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), 200, content_type=CONTENT_TYPE)
+
+    return app
+
+
 def create_app(state: ServerState, *, max_body: int) -> QuartTrio:
     app = QuartTrio("kvd")
     app.config["MAX_CONTENT_LENGTH"] = max_body
@@ -113,10 +125,6 @@ def create_app(state: ServerState, *, max_body: int) -> QuartTrio:
         if not state.ready:
             return _json({"status": state.status}, 503)
         return _json({"status": "ready"})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), 200, content_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -312,6 +320,7 @@ class Relay:
         self.last_token_at: float | None = None
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.request_id
+        self._closed = False
 
     # -- tokens --------------------------------------------------------------------
 
@@ -497,8 +506,17 @@ class Relay:
     def _event(body: Any) -> bytes:
         return b"data: " + _encoder.encode(body) + b"\n\n"
 
+    def __del__(self) -> None:
+        # A client that left before the body was first iterated: the stream's
+        # finally never ran, so the request is ended when the relay is dropped.
+        if not self._closed:
+            self._close()
+
     def _close(self) -> None:
         """Runs however the relay ends: cancels the request if it is still live."""
+        if self._closed:
+            return
+        self._closed = True
         self.runtime.cancel(self.ticket)
         outcome = self.finish_reason or "disconnected"
         self.state.metrics.outcomes.labels(self.tenant, outcome).inc()

@@ -57,8 +57,16 @@ class StepTotals:
 
 
 class Runtime:
-    def __init__(self, scheduler: Scheduler, *, step_log_interval: float = 10.0) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        step_log_interval: float = 10.0,
+        max_in_flight: int = 4096,
+    ) -> None:
         self.scheduler = scheduler
+        self.max_in_flight = max_in_flight
+        self.heartbeat = time.monotonic()  # the engine task's last sign of life
         self.step_log_interval = step_log_interval
         self.draining = False
         self.snapshot: SchedulerStats = scheduler.stats()
@@ -91,7 +99,14 @@ class Runtime:
         """Queue a request; returns its ticket once admitted to a queue, or
         raises Rejection (the scheduler's, or 503 while draining)."""
         if self.draining:
-            raise Rejection(503, "draining", "the server is shutting down", retry_after=5.0)
+            raise Rejection(503, "draining", "the server is draining", retry_after=5.0)
+        if len(self._live) >= self.max_in_flight:
+            raise Rejection(
+                503,
+                "overloaded",
+                f"the server has {len(self._live)} requests in flight, its limit",
+                retry_after=2.0,
+            )
         send, receive = trio.open_memory_channel[StepEvent](math.inf)
         ticket = Ticket(request_id or uuid.uuid4().hex, tenant, send, receive)
         self._live[ticket.request_id] = ticket
@@ -189,6 +204,7 @@ class Runtime:
         """Apply commands and run steps until cancelled."""
         scheduler = self.scheduler
         while True:
+            self.heartbeat = time.monotonic()
             self._wake = trio.Event()
             while self._inbox:
                 self._inbox.popleft()()
@@ -198,7 +214,13 @@ class Runtime:
                     await self._wake.wait()
                 continue
             started = time.monotonic()
-            events = await trio.to_thread.run_sync(scheduler.step)
+            try:
+                events = await trio.to_thread.run_sync(scheduler.step)
+            except Exception as exc:
+                # A failed step leaves the device state unknown: stop the
+                # daemon (systemd restarts it) rather than serve wrong tokens.
+                log.error("engine.failed", error=repr(exc), in_flight=len(self._live))
+                raise
             now = time.monotonic()
             self._dispatch(events)
             self._log_preemptions()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 
 import trio
 
@@ -47,11 +48,13 @@ def watchdog_interval() -> float | None:
         return None
 
 
-async def watchdog() -> None:
-    """Ping systemd for as long as the event loop runs (until cancelled)."""
+async def watchdog(alive: Callable[[float], bool]) -> None:
+    """Ping systemd while ``alive(timeout)`` says the service works (the event
+    loop runs this, and the engine task has looped within the timeout)."""
     interval = watchdog_interval()
     if interval is None or _address() is None:
         return
     while True:
-        notify("WATCHDOG=1")
+        if alive(2 * interval):
+            notify("WATCHDOG=1")
         await trio.sleep(interval)

@@ -118,8 +118,9 @@ def test_rate_limit_refuses_with_a_correct_retry_after(engine) -> None:  # type:
     scheduler.submit("b", "slow", prompt(3, 20), greedy(40))
     with pytest.raises(Rejection) as never:
         scheduler.submit("huge", "slow", prompt(5, 60), greedy(60))
-    assert never.value.retry_after is None  # over the whole per-minute allowance
-    assert scheduler.stats().tenants["slow"].rate_limited == 3
+    # Over the whole per-minute allowance: no wait would help, so not a 429.
+    assert never.value.status == 400 and never.value.retry_after is None
+    assert scheduler.stats().tenants["slow"].rate_limited == 2
     run_to_end(scheduler)
 
 
@@ -269,3 +270,14 @@ def test_bench_scheduler_prints_figures() -> None:
     report = json.loads(out.stdout)
     assert [f["running"] for f in report["overhead"]] == [8, 16]
     assert all(f["mean_ms"] > 0 and f["device_ms"] > 0 for f in report["overhead"])
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once(engine) -> None:  # type: ignore[no-untyped-def]
+    scheduler = make_scheduler(engine, small=TenantConfig("small", cap_pages=8))
+    pages = engine.kv.layout.pages_for_tokens(40 + 80)
+    assert pages > 8
+    with pytest.raises(Rejection) as refused:
+        scheduler.submit("big", "small", prompt(1, 40), greedy(80))
+    assert refused.value.status == 413 and "burst cap is 8" in str(refused.value)
+    scheduler.submit("fits", "small", prompt(2, 4), greedy(1))
+    run_to_end(scheduler)

@@ -37,6 +37,7 @@ tiers = ["interactive", "batch"]
 
 [server]
 listen = "127.0.0.1:0"
+metrics_listen = "127.0.0.1:0"
 admin_socket = "{{admin_socket}}"
 state_file = "state.json"
 drain_timeout = {{drain_timeout}}
@@ -90,6 +91,7 @@ class DaemonProcess:
         try:
             listening = self.wait_for("lifecycle.listening", ready_timeout)
             self.url = listening["addresses"][0]
+            self.metrics_url = self.wait_for("lifecycle.metrics_listening")["addresses"][0]
             self.admin_socket = Path(self.wait_for("lifecycle.admin_socket")["path"])
             self.wait_for("lifecycle.ready", ready_timeout)
         except BaseException:
@@ -137,7 +139,7 @@ class DaemonProcess:
         return [e for e in self.events if e.get("event") == name]
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
+        text = httpx.get(f"{self.metrics_url}/metrics").text
         values = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

@@ -320,5 +320,29 @@ def test_metrics_and_logs(tiny_daemon: DaemonProcess) -> None:
     assert not any("Hello there" in json.dumps(e) for e in tiny_daemon.events)
 
 
+def test_metrics_are_not_on_the_tenant_port(tiny_daemon: DaemonProcess) -> None:
+    assert httpx.get(f"{tiny_daemon.url}/metrics").status_code == 404
+    assert httpx.get(f"{tiny_daemon.metrics_url}/metrics").status_code == 200
+
+
+def test_nulls_mean_defaults_and_top_k_is_bounded(tiny_daemon: DaemonProcess) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "nulls",
+        "max_tokens": 2,
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "stream": None,
+        "logprobs": None,
+        "presence_penalty": None,
+    }
+    assert post(tiny_daemon, "/v1/completions", body).status_code == 200
+    huge = post(tiny_daemon, "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**40})
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "top_k"
+    over = post(tiny_daemon, "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 10**6})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "top_k"
+
+
 def test_no_pages_leak_after_all_of_the_above(tiny_daemon: DaemonProcess) -> None:
     tiny_daemon.wait_pages_released()

@@ -4,6 +4,7 @@ token for token what the in-process engine generates for the same prompt."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from tests.server.conftest import ALICE, BOB, DaemonProcess, digest
 CONFIG = f"""
 [server]
 listen = "127.0.0.1:0"
+metrics_listen = "127.0.0.1:0"
+admin_socket = "{tempfile.mkdtemp(prefix="kvd-", dir="/tmp")}/admin.sock"
 drain_timeout = 5.0
 
 [model]
