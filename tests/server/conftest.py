@@ -41,6 +41,7 @@ metrics_listen = "127.0.0.1:0"
 admin_socket = "{{admin_socket}}"
 state_file = "state.json"
 drain_timeout = {{drain_timeout}}
+max_in_flight = {{max_in_flight}}
 hard_deadline = 1.5
 max_body = "64KiB"
 step_log_interval = 1.0
@@ -206,6 +207,7 @@ def write_config(path: Path, **values: Any) -> Path:
         "drain_timeout": 5.0,
         "max_model_len": 256,
         "pool": "8MiB",
+        "max_in_flight": 4096,
         "admin_socket": f"{socket_dir}/admin.sock",
     } | values
     path.write_text(TINY_CONFIG.format(**settings))

@@ -87,6 +87,8 @@ def test_reservation_change_lets_a_queued_request_start(start_daemon: Any) -> No
         time.sleep(0.2)
     time.sleep(0.5)
     assert "response" not in out
+    busy = kvctl(daemon, "tenant", "remove", "dave")
+    assert busy.returncode == 1 and "1 live requests" in busy.stderr
     raised = kvctl(daemon, "tenant", "set", "dave", "--reservation", "10%")
     assert raised.returncode == 0, raised.stderr
     thread.join(timeout=30)

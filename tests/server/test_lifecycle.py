@@ -266,3 +266,24 @@ def test_systemd_notify_ready_status_watchdog(tmp_path: Any, daemon_env: dict[st
     assert len(ready) == 1 and ready[0] <= ready_at + 0.5
     assert sum(text == "WATCHDOG=1" for text in texts) >= 3
     assert any(text.startswith("STOPPING=1") for text in texts)
+
+
+def test_overload_is_a_503_with_retry_after(start_daemon: Any) -> None:
+    daemon: DaemonProcess = start_daemon(max_in_flight=2, max_model_len=2048)
+    held = [raw_stream(daemon, {"prompt": f"hold {i}", "max_tokens": 1500}) for i in range(2)]
+    try:
+        for sock in held:
+            sock.recv(1024)  # both admitted and streaming
+        response = httpx.post(
+            f"{daemon.url}/v1/completions",
+            json={"model": MODEL, "prompt": "one more", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {BOB}"},
+            timeout=30,
+        )
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "overloaded"
+        assert int(response.headers["Retry-After"]) >= 1
+    finally:
+        for sock in held:
+            sock.close()
+    daemon.wait_pages_released()
