@@ -8,8 +8,46 @@ position i iff ``i - window < j <= i``. Softmax runs in f32.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+# Which implementation ``attend`` traces: "auto" (the Pallas kernel on the TPU
+# backend, this reference elsewhere), "reference", "pallas", or
+# "pallas-interpret" (the kernel interpreted on any backend: for tests).
+ATTENTION_ENV = "KVD_ATTENTION"
+
+
+IMPLEMENTATIONS = ("reference", "pallas", "pallas-interpret")
+
+
+def resolve_attention() -> str:
+    """The implementation an engine built now will trace (read once, at
+    construction: it is part of the engine's static spec, so two engines
+    with different choices never share a trace)."""
+    choice = os.environ.get(ATTENTION_ENV, "auto")
+    if choice == "auto":
+        return "pallas" if jax.default_backend() == "tpu" else "reference"
+    if choice not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"{ATTENTION_ENV}={choice!r}: use auto, reference, pallas or pallas-interpret"
+        )
+    return choice
+
+
+def attend(
+    implementation: str, q: jax.Array, view: jax.Array, slot: Any, *args: Any, **kwargs: Any
+) -> jax.Array:
+    """The engine's one attention entry point: the kernel or the reference."""
+    if implementation == "reference":
+        return paged_attention(q, view, slot, *args, **kwargs)
+    from kernels.ragged_paged_attention import ragged_paged_attention
+
+    return ragged_paged_attention(
+        q, view, slot, *args, interpret=implementation == "pallas-interpret", **kwargs
+    )
 
 
 def paged_attention(

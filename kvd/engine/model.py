@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 
-from kvd.engine.attention import paged_attention
+from kvd.engine.attention import attend, resolve_attention
 from kvd.engine.config import ModelConfig
 from kvd.kv.geometry import AttentionKind
 from kvd.kv.layout import PageLayout
@@ -52,11 +52,18 @@ class EngineSpec(msgspec.Struct, frozen=True):
     block_size: int
     layer_places: tuple[tuple[int, int], ...]  # per layer: (page group, slot in page)
     group_slots: tuple[int, ...]  # layer slots per page, per page group
+    attention: str = "reference"  # see kvd.engine.attention.resolve_attention
 
     @classmethod
     def build(cls, config: ModelConfig, layout: PageLayout) -> EngineSpec:
         places = tuple(layout.group_of_layer(i) for i in range(config.num_layers))
-        return cls(config, layout.block_size, places, tuple(g.slots for g in layout.groups))
+        return cls(
+            config,
+            layout.block_size,
+            places,
+            tuple(g.slots for g in layout.groups),
+            resolve_attention(),
+        )
 
     def slots_of(self, kind: AttentionKind) -> int:
         """Layer slots per page of this kind's groups (the same for all of them)."""
@@ -163,7 +170,8 @@ def _attention_block(
     pages, offsets = batch.write_pages[place.group], batch.write_offsets
     view = view.at[pages, place.slot, 0, offsets].set(k.astype(view.dtype))
     view = view.at[pages, place.slot, 1, offsets].set(v.astype(view.dtype))
-    out = paged_attention(
+    out = attend(
+        spec.attention,
         q,
         view,
         place.slot,
