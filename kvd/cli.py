@@ -112,6 +112,13 @@ def check_config(path: str) -> None:
     show_default=True,
     help="Weights and compute dtype.",
 )
+@click.option(
+    "--tensor-parallel",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Split the model over this many devices.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(
     model: str,
@@ -124,6 +131,7 @@ def generate(
     top_p: float,
     seed: int | None,
     dtype: str,
+    tensor_parallel: int,
     as_json: bool,
 ) -> None:
     """Continue one prompt and print the result (a one-shot check of the engine)."""
@@ -149,6 +157,7 @@ def generate(
             top_p=top_p,
             seed=seed,
             dtype=dtype,
+            tensor_parallel=tensor_parallel,
             progress=lambda text: click.echo(text, err=True),
         )
     except GenerateError as exc:

@@ -52,6 +52,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # Run same-shaped layers as one lax.scan: compiles several times faster,
     # but on XLA:CPU runs ~1.5x slower (the stacked weights are sliced per layer).
     scan_layers: bool = False
+    tensor_parallel: int = 1  # devices the model is split over (kvd/engine/sharding.py)
 
 
 class EngineError(ValueError):
@@ -138,11 +139,25 @@ class Engine:
         self.kv = KVManager(self.layout, pages, mode=BudgetMode.FREE)
         self.kv.set_tenant(self.TENANT, TenantBudget())
         self.spec = EngineSpec.build(model.config, self.layout)
-        self.params = jax.device_put(
-            prepare_params(self.spec, model.params) if cfg.scan_layers else model.params
-        )
+        params = prepare_params(self.spec, model.params) if cfg.scan_layers else model.params
         elements = self.layout.page_bytes // jnp.dtype(kv_dtype).itemsize
-        self.pool = jnp.zeros((pages, elements), jnp.dtype(kv_dtype))
+        pool = jnp.zeros((pages, elements), jnp.dtype(kv_dtype))
+        self.mesh = None
+        if cfg.tensor_parallel > 1:
+            from kvd.engine import sharding
+
+            try:
+                sharding.check_divisible(model.config, cfg.tensor_parallel)
+                self.mesh = sharding.make_mesh(cfg.tensor_parallel)
+            except sharding.ShardingError as exc:
+                raise EngineError(str(exc)) from None
+            param_sharding = sharding.param_shardings(model.config, params, self.mesh)
+            everywhere = sharding.replicated(self.mesh)
+            self.params = jax.device_put(params, param_sharding)
+            self.pool = jax.device_put(pool, everywhere)
+        else:
+            self.params = jax.device_put(params)
+            self.pool = pool
         max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
         # Shapes: the body compiles per (tokens, block-table width); the head and
         # sampling per number of sequences, so a lone decode pays for one row of
@@ -153,12 +168,27 @@ class Engine:
         self.block_buckets = tuple(
             sorted({max(1, max_blocks // 16), max(1, max_blocks // 4), max_blocks})
         )
+        # With tensor parallelism the programs are compiled for explicit
+        # shardings: weights split, pool and host inputs replicated.
+        shardings: dict[str, Any] = {}
+        head_shardings: dict[str, Any] = {}
+        # Inputs carry theirs: the weights and the pool are placed above, and
+        # host buffers are put replicated (``_put``); jit does not take
+        # in_shardings together with the static shape keywords.
+        self._replicated = None
+        if self.mesh is not None:
+            self._replicated = everywhere
+            shardings = {"out_shardings": (everywhere, everywhere)}
+            head_shardings = {"out_shardings": everywhere}
         self._body = jax.jit(
             partial(run_body, self.spec, cfg.max_num_seqs),
             static_argnames=("tokens", "width"),
             donate_argnums=(1,),
+            **shardings,
         )
-        self._head = jax.jit(partial(head_and_sample, self.spec), static_argnames=("seqs",))
+        self._head = jax.jit(
+            partial(head_and_sample, self.spec), static_argnames=("seqs",), **head_shardings
+        )
         # Swapping: pages gathered to the host and scattered back. Padding a copy
         # costs little, so the page-count buckets grow by 4x (fewer programs).
         most = max(16, self.layout.pages_for_tokens(cfg.max_model_len))
@@ -185,7 +215,16 @@ class Engine:
     def _rows_spec(self) -> jax.ShapeDtypeStruct:
         """The decoder's output for the head: one row per possible sequence."""
         hidden = self.model.config.hidden_size
-        return jax.ShapeDtypeStruct((self.config.max_num_seqs, hidden), self.params["embed"].dtype)
+        return self._spec((self.config.max_num_seqs, hidden), self.params["embed"].dtype)
+
+    def _put(self, array: np.ndarray[Any, Any]) -> jax.Array:
+        """A host buffer on the device(s): replicated over the mesh, if any."""
+        if self._replicated is None:
+            return jnp.asarray(array)
+        return jax.device_put(array, self._replicated)
+
+    def _spec(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
     def page_elements(self) -> int:
         return int(self.pool.shape[1])
@@ -193,17 +232,17 @@ class Engine:
     def copy_out(self, pages: list[int]) -> np.ndarray[Any, Any]:
         """The contents of ``pages``, on the host: ``[len(pages), E]``."""
         size = bucket(len(pages), self.page_buckets)
-        index = jnp.asarray(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
+        index = self._put(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
         program = self._program(("gather", size, 0), self._gather, self.pool, index)
         return np.asarray(program(self.pool, index))[: len(pages)]
 
     def copy_in(self, pages: list[int], data: np.ndarray[Any, Any]) -> None:
         """Write host ``data`` into ``pages`` (padding lands in the null page)."""
         size = bucket(len(pages), self.page_buckets)
-        index = jnp.asarray(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
+        index = self._put(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
         padded = np.zeros((size, self.page_elements()), data.dtype)
         padded[: len(pages)] = data
-        values = jnp.asarray(padded, self.pool.dtype)
+        values = self._put(padded.astype(self.pool.dtype))
         program = self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
         self.pool = program(self.pool, index, values)
 
@@ -241,8 +280,8 @@ class Engine:
                 progress(done, total, f"head and sampling: {seqs} sequences")
         elements = self.page_elements()
         for size in self.page_buckets:  # swap copies: small programs, all of them
-            index = jax.ShapeDtypeStruct((size,), jnp.int32)
-            values = jax.ShapeDtypeStruct((size, elements), self.pool.dtype)
+            index = self._spec((size,), jnp.int32)
+            values = self._spec((size, elements), self.pool.dtype)
             self._program(("gather", size, 0), self._gather, self.pool, index)
             self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
         if progress is not None:
@@ -257,7 +296,7 @@ class Engine:
                 tokens, self.config.max_num_seqs, width, self.layout.num_groups
             )
         )
-        flat = jax.ShapeDtypeStruct((size,), jnp.int32)
+        flat = self._spec((size,), jnp.int32)
         return self._program(
             ("body", tokens, width),
             self._body,
@@ -269,8 +308,8 @@ class Engine:
         )
 
     def _head_program(self, seqs: int) -> Any:
-        ints = jax.ShapeDtypeStruct((seqs * (4 + MAX_STOP_IDS),), jnp.int32)
-        floats = jax.ShapeDtypeStruct((seqs * 2,), jnp.float32)
+        ints = self._spec((seqs * (4 + MAX_STOP_IDS),), jnp.int32)
+        floats = self._spec((seqs * 2,), jnp.float32)
         return self._program(
             ("head", seqs, 0), self._head, self.params, self._rows_spec(), ints, floats, seqs=seqs
         )
@@ -302,9 +341,9 @@ class Engine:
         body_program = self._body_program(tokens_bucket, width)
         head_program = self._head_program(seqs)
         started = time.perf_counter()
-        rows, self.pool = body_program(self.params, self.pool, jnp.asarray(pack(batch)))
+        rows, self.pool = body_program(self.params, self.pool, self._put(pack(batch)))
         tokens, logprobs, stopped = head_program(
-            self.params, rows, jnp.asarray(ints), jnp.asarray(floats)
+            self.params, rows, self._put(ints), self._put(floats)
         )
         tokens, logprobs, stopped = np.asarray(tokens), np.asarray(logprobs), np.asarray(stopped)
         self.device_seconds += time.perf_counter() - started

@@ -42,6 +42,7 @@ def generate_once(
     top_p: float = 1.0,
     seed: int | None = None,
     dtype: str = "float32",
+    tensor_parallel: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> GenerateResult:
     say = progress or (lambda _text: None)
@@ -72,6 +73,7 @@ def generate_once(
         max_num_seqs=1,
         max_num_batched_tokens=512,
         pool_tokens=min(context, len(ids) + max_tokens) + 16,
+        tensor_parallel=tensor_parallel,
     )
     say(f"loaded in {loaded.load_seconds:.1f}s; compiling and running")
     try:

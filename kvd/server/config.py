@@ -55,6 +55,7 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_model_len: int = 4096
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    tensor_parallel: int = 1  # devices to split the model over (one host)
 
 
 class PoolSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -167,7 +168,7 @@ def validate(config: Config) -> None:
     _size("server.max_body", server.max_body)
     if model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype: {model.dtype!r} is not float32 or bfloat16")
-    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
         _positive(f"model.{key}", getattr(model, key))
     _positive("pool.block_size", pool.block_size)
     if pool.size != "auto":

@@ -135,6 +135,7 @@ def load(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             pool_tokens=pool_tokens,
+            tensor_parallel=cfg.tensor_parallel,
         ),
     )
     pool_pages = engine.kv.pool.capacity

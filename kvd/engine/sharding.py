@@ -1,0 +1,106 @@
+"""Tensor parallelism over the chips of one host, with jax.sharding.
+
+A 1-D mesh with one axis, ``model``. Megatron-style splits, expressed as
+shardings of the weights and left to XLA's SPMD partitioner:
+- attention: Q columns split by head, O rows split the same way (one
+  all-reduce after O); K and V split by KV head when the KV heads divide
+  evenly over the devices, otherwise replicated (every device computes the
+  few KV heads it needs; Gemma 3 270M has one);
+- MLP: gate and up split by column, down by row (one all-reduce);
+- embeddings, norms and the (tied) LM head replicated.
+
+The KV pool is replicated: every device holds every page, and the step's
+K/V writes are the same on all of them, so page ids, tables and swaps are
+unchanged from the single-device engine. (Splitting the pool by KV head
+would divide its memory by the device count when KV heads >= devices; the
+pool's page layout keeps KV heads inside a page, so that is a layout change,
+left for when a model needs it.)
+
+Multi-host (design, not built): ``jax.distributed.initialize()`` on every
+host of a TPU slice makes ``jax.devices()`` span all chips; the same mesh
+code then shards across hosts, and every host runs the same program. kvd's
+single-process model becomes one kvd per host in lockstep: host 0 owns the
+HTTP API, the scheduler and the KV manager, and broadcasts each step's batch
+(the packed int32 buffer and sampling arrays, already one transfer) to the
+other hosts, which only execute the compiled step; sampled tokens come back
+from the replicated output. Admission, budgets and the pool bookkeeping stay
+on host 0, so the KV core needs no distribution of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvd.engine.config import ModelConfig
+
+AXIS = "model"
+
+
+class ShardingError(ValueError):
+    pass
+
+
+def make_mesh(devices: int) -> Mesh:
+    available = jax.devices()
+    if devices > len(available):
+        raise ShardingError(
+            f"tensor_parallel {devices} needs {devices} devices; this host has {len(available)}"
+        )
+    return Mesh(np.array(available[:devices]), (AXIS,))
+
+
+def check_divisible(config: ModelConfig, devices: int) -> None:
+    if config.num_heads % devices:
+        raise ShardingError(
+            f"{config.num_heads} attention heads do not split over {devices} devices"
+        )
+    if config.intermediate_size % devices:
+        raise ShardingError(
+            f"MLP width {config.intermediate_size} does not split over {devices} devices"
+        )
+
+
+def _layer_spec(name: str, kv_heads: int, devices: int) -> P:
+    if name in ("q", "gate", "up"):
+        return P(None, AXIS)
+    if name in ("o", "down"):
+        return P(AXIS, None)
+    if name in ("k", "v"):
+        return P(None, AXIS) if kv_heads % devices == 0 else P()
+    return P()  # norms and scalars
+
+
+def param_shardings(config: ModelConfig, params: dict[str, Any], mesh: Mesh) -> Any:
+    """A NamedSharding per leaf of the parameter pytree: per-layer dicts under
+    "layers", or the layer-stacked form of ``prepare_params`` under "stack"."""
+    devices = mesh.devices.size
+    out: dict[str, Any] = {
+        key: NamedSharding(mesh, P()) for key in params if key not in ("layers", "stack")
+    }
+    if "layers" in params:
+        out["layers"] = [
+            {
+                name: NamedSharding(
+                    mesh,
+                    _layer_spec(name, config.kv_heads_of(config.layer_kinds[i]), devices),
+                )
+                for name in layer
+            }
+            for i, layer in enumerate(params["layers"])
+        ]
+    if "stack" in params:  # uniform models: every layer has the same shapes
+        kv = config.kv_heads_of(config.layer_kinds[0])
+        out["stack"] = {
+            name: NamedSharding(mesh, P(None, *_layer_spec(name, kv, devices)))
+            for name in params["stack"]
+        }
+    return out
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -1,0 +1,114 @@
+"""Run as a script with several (simulated) devices: the sharded engine next
+to the single-device one on the same model; prints one JSON object.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.engine.tp_check tiny-kv4
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import msgspec
+import numpy as np
+
+from kvd.engine.batching import build_step_batch
+from kvd.engine.config import ModelConfig
+from kvd.engine.engine import Engine, EngineConfig
+from kvd.engine.loader import LoadedModel, load_model
+from kvd.engine.model import forward
+from kvd.engine.sampling import SamplingParams
+from kvd.engine.weights import random_params
+from kvd.kv.geometry import interleaved_kinds
+
+
+def tiny(kv_heads: int) -> LoadedModel:
+    config = ModelConfig(
+        name=f"tiny-kv{kv_heads}",
+        family="gemma3",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=8,
+        num_kv_heads=kv_heads,
+        head_dim=16,
+        layer_kinds=interleaved_kinds(6, 3),
+        sliding_window=12,
+        max_position=256,
+        query_pre_attn_scalar=16.0,
+    )
+    return LoadedModel(config, random_params(config, 7), None, "random", 0.0)  # type: ignore[arg-type]
+
+
+def prefill_logits(engine: Engine, prompts: list[list[int]]) -> np.ndarray:
+    """Full logits of the last token of each prompt: one ragged step, run by
+    ``forward`` on the engine's (possibly sharded) weights and pool."""
+    kv = engine.kv
+    seqs = [kv.add_sequence(1000 + i, Engine.TENANT, p) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        kv.allocate(seq, len(seq.tokens))
+    batch = build_step_batch(
+        [(s, len(s.tokens)) for s in seqs],
+        engine.layout,
+        64,
+        engine.config.max_num_seqs,
+        engine.block_buckets[-1],
+    )
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    logits, _ = jax.jit(partial(forward, engine.spec))(engine.params, engine.pool, batch)
+    for seq in seqs:
+        kv.finish(seq)
+    return np.asarray(logits)[: len(prompts)]
+
+
+def main(case: str, sizes: list[int]) -> dict[str, object]:
+    if case == "real":
+        model = load_model("gemma3-270m", "float32")
+        prompts = [
+            model.tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):")
+        ]
+        config = EngineConfig(
+            max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, pool_tokens=2048
+        )
+        new = 24
+    else:
+        model = tiny(int(case.removeprefix("tiny-kv")))
+        prompts = [[2, *range(10, 30)], [2, 5, 7], [2, *range(40, 49)]]
+        config = EngineConfig(
+            block_size=4,
+            max_model_len=128,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            pool_tokens=512,
+        )
+        new = 30  # decodes well past the 12-token window
+    greedy = SamplingParams(temperature=0.0, max_tokens=new, logprobs=True)
+    report: dict[str, object] = {"devices": jax.device_count()}
+    reference = Engine(model, config)
+    base_logits = prefill_logits(reference, prompts) if case != "real" else None
+    base = reference.generate(prompts, [greedy] * len(prompts))
+    for n in sizes:
+        engine = Engine(model, msgspec.structs.replace(config, tensor_parallel=n))
+        out = engine.generate(prompts, [greedy] * len(prompts))
+        entry: dict[str, object] = {
+            "same_tokens": [g.completion_ids for g in out] == [g.completion_ids for g in base],
+            "max_logprob_diff": max(
+                abs(a - b)
+                for g, h in zip(out, base, strict=True)
+                for a, b in zip(g.logprobs, h.logprobs, strict=False)
+            ),
+            "param_shards": len(engine.params["layers"][0]["q"].sharding.device_set),
+        }
+        if base_logits is not None:
+            entry["max_logit_diff"] = float(
+                np.abs(prefill_logits(engine, prompts) - base_logits).max()
+            )
+        report[str(n)] = entry
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], [int(n) for n in sys.argv[2].split(",")])))
