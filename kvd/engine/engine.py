@@ -154,7 +154,10 @@ class Engine:
             param_sharding = sharding.param_shardings(model.config, params, self.mesh)
             everywhere = sharding.replicated(self.mesh)
             self.params = jax.device_put(params, param_sharding)
-            self.pool = jax.device_put(pool, everywhere)
+            pool_shape, pool_sharding = sharding.pool_layout(
+                model.config, pool.shape, cfg.tensor_parallel, self.mesh
+            )
+            self.pool = jax.device_put(pool.reshape(pool_shape), pool_sharding)
         else:
             self.params = jax.device_put(params)
             self.pool = pool
@@ -176,10 +179,12 @@ class Engine:
         # host buffers are put replicated (``_put``); jit does not take
         # in_shardings together with the static shape keywords.
         self._replicated = None
+        copy_shardings: dict[str, Any] = {}
         if self.mesh is not None:
             self._replicated = everywhere
-            shardings = {"out_shardings": (everywhere, everywhere)}
+            shardings = {"out_shardings": (everywhere, pool_sharding)}
             head_shardings = {"out_shardings": everywhere}
+            copy_shardings = {"out_shardings": pool_sharding}
         self._body = jax.jit(
             partial(run_body, self.spec, cfg.max_num_seqs),
             static_argnames=("tokens", "width"),
@@ -197,7 +202,9 @@ class Engine:
         )
         self._gather = jax.jit(lambda pool, pages: pool[pages])
         self._scatter = jax.jit(
-            lambda pool, pages, data: pool.at[pages].set(data), donate_argnums=(0,)
+            lambda pool, pages, data: pool.at[pages].set(data),
+            donate_argnums=(0,),
+            **copy_shardings,
         )
         # Compiled executables by shape key; warm-up fills them ahead of time.
         self._programs: dict[tuple[str, int, int], Any] = {}
@@ -227,14 +234,15 @@ class Engine:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
     def page_elements(self) -> int:
-        return int(self.pool.shape[1])
+        return math.prod(self.pool.shape[1:])
 
     def copy_out(self, pages: list[int]) -> np.ndarray[Any, Any]:
         """The contents of ``pages``, on the host: ``[len(pages), E]``."""
         size = bucket(len(pages), self.page_buckets)
         index = self._put(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
         program = self._program(("gather", size, 0), self._gather, self.pool, index)
-        return np.asarray(program(self.pool, index))[: len(pages)]
+        data = np.asarray(program(self.pool, index))[: len(pages)]
+        return data.reshape(len(pages), -1)  # flat pages, whatever the pool's layout
 
     def copy_in(self, pages: list[int], data: np.ndarray[Any, Any]) -> None:
         """Write host ``data`` into ``pages`` (padding lands in the null page)."""
@@ -242,7 +250,7 @@ class Engine:
         index = self._put(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
         padded = np.zeros((size, self.page_elements()), data.dtype)
         padded[: len(pages)] = data
-        values = self._put(padded.astype(self.pool.dtype))
+        values = self._put(padded.astype(self.pool.dtype).reshape(size, *self.pool.shape[1:]))
         program = self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
         self.pool = program(self.pool, index, values)
 
@@ -278,10 +286,9 @@ class Engine:
             self._head_program(seqs)
             if progress is not None:
                 progress(done, total, f"head and sampling: {seqs} sequences")
-        elements = self.page_elements()
         for size in self.page_buckets:  # swap copies: small programs, all of them
             index = self._spec((size,), jnp.int32)
-            values = self._spec((size, elements), self.pool.dtype)
+            values = self._spec((size, *self.pool.shape[1:]), self.pool.dtype)
             self._program(("gather", size, 0), self._gather, self.pool, index)
             self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
         if progress is not None:

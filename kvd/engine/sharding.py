@@ -9,12 +9,13 @@ shardings of the weights and left to XLA's SPMD partitioner:
 - MLP: gate and up split by column, down by row (one all-reduce);
 - embeddings, norms and the (tied) LM head replicated.
 
-The KV pool is replicated: every device holds every page, and the step's
-K/V writes are the same on all of them, so page ids, tables and swaps are
-unchanged from the single-device engine. (Splitting the pool by KV head
-would divide its memory by the device count when KV heads >= devices; the
-pool's page layout keeps KV heads inside a page, so that is a layout change,
-left for when a model needs it.)
+The KV pool follows the K/V split: when the KV heads divide evenly (and all
+page groups share one head shape), the pool is stored ``[pages, rest, K*H]``
+and split on its last axis, so every device keeps its own KV heads of every
+page and the pool's memory is divided by the device count. Otherwise (fewer
+KV heads than devices: Gemma 3 270M has one; or Gemma 4's mixed head
+shapes) it is replicated and every device writes the same K/V. Page ids,
+tables and swaps are the single-device engine's either way.
 
 Multi-host (design, not built): ``jax.distributed.initialize()`` on every
 host of a TPU slice makes ``jax.devices()`` span all chips; the same mesh
@@ -100,6 +101,26 @@ def param_shardings(config: ModelConfig, params: dict[str, Any], mesh: Mesh) -> 
             for name in params["stack"]
         }
     return out
+
+
+def pool_layout(
+    config: ModelConfig, shape: tuple[int, ...], devices: int, mesh: Mesh
+) -> tuple[tuple[int, ...], NamedSharding]:
+    """The pool's array shape and sharding. A page holds ``[slots, 2, L, K, H]``
+    per layer group; when every group has the same (K, H) and the KV heads
+    split evenly, the pool is stored ``[P, rest, K*H]`` and split on its last
+    axis, so each device holds its own KV heads of every page (the K/V
+    projections are split the same way: the writes stay local). Otherwise
+    it is replicated."""
+    kinds = set(config.layer_kinds)
+    heads = {(config.kv_heads_of(k), config.head_dim_of(k)) for k in kinds}
+    if len(heads) == 1:
+        ((kv, head_dim),) = heads
+        if kv % devices == 0:
+            pages, elements = shape
+            lane = kv * head_dim
+            return (pages, elements // lane, lane), NamedSharding(mesh, P(None, None, AXIS))
+    return shape, NamedSharding(mesh, P())
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

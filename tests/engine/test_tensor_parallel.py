@@ -40,9 +40,13 @@ def test_sharded_logits_match_single_device(case: str, tmp_path: Path) -> None:
     for n in ("2", "4"):
         entry = report[n]
         assert entry["param_shards"] == int(n)  # the weights really are split
+        # The pool is split by KV head when they divide evenly, else replicated.
+        assert entry["pool_split"] == (case == "tiny-kv4")
+        assert entry["swap_roundtrip"]  # pages out to the host and back in, intact
         assert entry["max_logit_diff"] < 1e-5, entry
         assert entry["max_logprob_diff"] < 1e-5, entry
         assert entry["same_tokens"], entry  # 30 decode steps, past the 12-token window
+        # (max_logit_diff: a decode step of 3 sequences, two past the window)
 
 
 def test_real_model_greedy_is_unchanged_under_sharding(

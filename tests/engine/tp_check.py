@@ -43,22 +43,26 @@ def tiny(kv_heads: int) -> LoadedModel:
     return LoadedModel(config, random_params(config, 7), None, "random", 0.0)  # type: ignore[arg-type]
 
 
-def prefill_logits(engine: Engine, prompts: list[list[int]]) -> np.ndarray:
-    """Full logits of the last token of each prompt: one ragged step, run by
-    ``forward`` on the engine's (possibly sharded) weights and pool."""
+def decode_logits(engine: Engine, prompts: list[list[int]]) -> np.ndarray:
+    """Full logits of a decode step: each prompt but its last token is
+    prefilled in one ragged step, then the last tokens decode together (past
+    the sliding window for long prompts). Run by ``forward`` on the engine's
+    (possibly sharded) weights and pool."""
     kv = engine.kv
+    step = jax.jit(partial(forward, engine.spec))
     seqs = [kv.add_sequence(1000 + i, Engine.TENANT, p) for i, p in enumerate(prompts)]
-    for seq in seqs:
-        kv.allocate(seq, len(seq.tokens))
-    batch = build_step_batch(
-        [(s, len(s.tokens)) for s in seqs],
-        engine.layout,
-        64,
-        engine.config.max_num_seqs,
-        engine.block_buckets[-1],
-    )
-    batch = jax.tree_util.tree_map(jnp.asarray, batch)
-    logits, _ = jax.jit(partial(forward, engine.spec))(engine.params, engine.pool, batch)
+    pool = engine.pool
+    logits = None
+    for chunk in ("prefill", "decode"):
+        work = [(s, len(s.tokens) - 1 if chunk == "prefill" else 1) for s in seqs]
+        for seq, n in work:
+            kv.allocate(seq, n)
+        batch = build_step_batch(
+            work, engine.layout, 64, engine.config.max_num_seqs, engine.block_buckets[-1]
+        )
+        logits, pool = step(engine.params, pool, jax.tree_util.tree_map(jnp.asarray, batch))
+        for seq, n in work:
+            kv.commit(seq, n)
     for seq in seqs:
         kv.finish(seq)
     return np.asarray(logits)[: len(prompts)]
@@ -88,7 +92,7 @@ def main(case: str, sizes: list[int]) -> dict[str, object]:
     greedy = SamplingParams(temperature=0.0, max_tokens=new, logprobs=True)
     report: dict[str, object] = {"devices": jax.device_count()}
     reference = Engine(model, config)
-    base_logits = prefill_logits(reference, prompts) if case != "real" else None
+    base_logits = decode_logits(reference, prompts) if case != "real" else None
     base = reference.generate(prompts, [greedy] * len(prompts))
     for n in sizes:
         engine = Engine(model, msgspec.structs.replace(config, tensor_parallel=n))
@@ -101,10 +105,16 @@ def main(case: str, sizes: list[int]) -> dict[str, object]:
                 for a, b in zip(g.logprobs, h.logprobs, strict=False)
             ),
             "param_shards": len(engine.params["layers"][0]["q"].sharding.device_set),
+            "pool_split": engine.pool.sharding.shard_shape(engine.pool.shape) != engine.pool.shape,
         }
+        data = engine.copy_out([1, 2, 3])  # pages the run wrote, now free
+        engine.copy_in([7, 8, 9], data)
+        entry["swap_roundtrip"] = bool(
+            np.abs(data).sum() > 0 and np.array_equal(engine.copy_out([7, 8, 9]), data)
+        )
         if base_logits is not None:
             entry["max_logit_diff"] = float(
-                np.abs(prefill_logits(engine, prompts) - base_logits).max()
+                np.abs(decode_logits(engine, prompts) - base_logits).max()
             )
         report[str(n)] = entry
     return report
