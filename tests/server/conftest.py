@@ -51,6 +51,7 @@ source = "random"
 max_model_len = {{max_model_len}}
 max_num_seqs = 8
 max_num_batched_tokens = 64
+tensor_parallel = {{tensor_parallel}}
 
 [pool]
 size = "{{pool}}"
@@ -208,6 +209,7 @@ def write_config(path: Path, **values: Any) -> Path:
         "max_model_len": 256,
         "pool": "8MiB",
         "max_in_flight": 4096,
+        "tensor_parallel": 1,
         "admin_socket": f"{socket_dir}/admin.sock",
     } | values
     path.write_text(TINY_CONFIG.format(**settings))

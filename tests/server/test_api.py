@@ -344,5 +344,23 @@ def test_nulls_mean_defaults_and_top_k_is_bounded(tiny_daemon: DaemonProcess) ->
     assert over.status_code == 400 and over.json()["error"]["param"] == "top_k"
 
 
+def test_a_tensor_parallel_daemon_answers_the_same(
+    tiny_daemon: DaemonProcess, tmp_path: Any, daemon_env: dict[str, str]
+) -> None:
+    """`tensor_parallel = 2` on two simulated devices: the same greedy text."""
+    from tests.server.conftest import write_config
+
+    env = daemon_env | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    sharded = DaemonProcess(write_config(tmp_path / "tp.toml", tensor_parallel=2), env)
+    try:
+        body = {"model": MODEL, "prompt": "Split me in two", "max_tokens": 12, "temperature": 0}
+        expected = post(tiny_daemon, "/v1/completions", body).json()["choices"][0]["text"]
+        got = post(sharded, "/v1/completions", body).json()["choices"][0]["text"]
+        assert got == expected
+        assert sharded.terminate() == 0
+    finally:
+        sharded.kill()
+
+
 def test_no_pages_leak_after_all_of_the_above(tiny_daemon: DaemonProcess) -> None:
     tiny_daemon.wait_pages_released()
