@@ -165,6 +165,17 @@ def test_drain_wait_and_undrain(start_daemon: Any) -> None:
     assert httpx.get(f"{daemon.url}/ready").status_code == 200
 
 
+def serve_once(config: Path, env: DaemonEnv) -> subprocess.CompletedProcess[str]:
+    """`kvd serve` expected to refuse to start."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_changes_survive_kill_9_and_corruption_is_refused(
     tmp_path: Path, daemon_env: DaemonEnv
 ) -> None:
@@ -197,13 +208,7 @@ def test_changes_survive_kill_9_and_corruption_is_refused(
     state = tmp_path / "state.json"
     good = state.read_bytes()
     state.write_bytes(good[: len(good) // 2])  # a torn write
-    failed = subprocess.run(
-        [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
-        env=daemon_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    failed = serve_once(config, daemon_env)
     assert failed.returncode == 1
     assert "state file is corrupt" in failed.stderr and "state.json.prev" in failed.stderr
     assert state.read_bytes() == good[: len(good) // 2]  # nothing overwritten
@@ -211,13 +216,7 @@ def test_changes_survive_kill_9_and_corruption_is_refused(
     assert previous["format"] == "kvd-state/1"
     edited = good.replace(b'"40%"', b'"45%"')  # valid JSON, wrong checksum
     state.write_bytes(edited)
-    failed = subprocess.run(
-        [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
-        env=daemon_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    failed = serve_once(config, daemon_env)
     assert failed.returncode == 1 and "checksum" in failed.stderr
 
 
