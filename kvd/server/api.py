@@ -9,7 +9,7 @@ implement are accepted only at their neutral value (``n=1``, no penalties,
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -329,6 +329,3 @@ def prepare(
         tier=request.priority,
         cache_salt=request.cache_salt,
     )
-
-
-Endpoint = Literal["completions", "chat"]

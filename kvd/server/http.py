@@ -409,7 +409,7 @@ class Relay:
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": self._logprobs(0, 0),
-                "finish_reason": self._public_reason(),
+                "finish_reason": self.finish_reason,
             }
             kind = "chat.completion"
         else:
@@ -417,7 +417,7 @@ class Relay:
                 "index": 0,
                 "text": text,
                 "logprobs": self._logprobs(0, 0),
-                "finish_reason": self._public_reason(),
+                "finish_reason": self.finish_reason,
             }
             kind = "text_completion"
         return {
@@ -444,10 +444,6 @@ class Relay:
                 code="queue_timeout",
                 retry_after=1,
             )
-
-    def _public_reason(self) -> str | None:
-        # OpenAI's names; kvd's own reasons pass through (vLLM does the same).
-        return self.finish_reason
 
     async def sse(self) -> AsyncIterator[bytes]:
         sent_text = 0

@@ -77,7 +77,6 @@ class Runtime:
         self._idle = trio.Event()
         self._idle.set()
         self._totals = StepTotals()
-        self.listeners: list[Callable[[SchedulerStats], None]] = []
 
     # -- the handlers' side ------------------------------------------------------
 
@@ -258,8 +257,6 @@ class Runtime:
         if force or now - self._snapshot_at >= SNAPSHOT_INTERVAL_S:
             self.snapshot = self.scheduler.stats()
             self._snapshot_at = now
-            for listener in self.listeners:
-                listener(self.snapshot)
         totals = self._totals
         if totals.steps and now - totals.since >= self.step_log_interval:
             stats = self.snapshot
@@ -277,8 +274,3 @@ class Runtime:
                 cached_pages=stats.cached_pages,
             )
             self._totals = StepTotals(since=now)
-
-    def stats_dict(self) -> dict[str, Any]:
-        import msgspec
-
-        return msgspec.to_builtins(self.snapshot)
