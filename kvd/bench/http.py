@@ -273,7 +273,8 @@ def run_http_load(
 def run_inprocess(
     model: str, clients: int, duration: float, max_tokens: int, max_model_len: int, texts: list[str]
 ) -> float:
-    """Output tokens/s of the scheduler alone, ``clients`` requests kept in flight."""
+    """Output tokens/s of the scheduler alone on the HTTP run's workload:
+    ``clients`` requests kept in flight for ``duration``, then drained."""
     from kvd.server.config import Config, ModelSection, PoolSection, TenantEntry
     from kvd.server.daemon import load
 
@@ -302,11 +303,14 @@ def run_inprocess(
         submit()
     tokens = 0
     start = time.monotonic()
-    while time.monotonic() - start < duration:
+    # Like the HTTP clients: a finished request is replaced until the
+    # duration is up, then the ones in flight run to their end.
+    while scheduler.has_work():
+        replace = time.monotonic() - start < duration
         for event in scheduler.step():
             if event.token is not None:
                 tokens += 1
-            if event.finished:
+            if event.finished and replace:
                 submit()
     return tokens / (time.monotonic() - start)
 
