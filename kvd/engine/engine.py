@@ -171,15 +171,15 @@ class Engine:
         self.block_buckets = tuple(
             sorted({max(1, max_blocks // 16), max(1, max_blocks // 4), max_blocks})
         )
-        # With tensor parallelism the programs are compiled for explicit
-        # shardings: weights split, pool and host inputs replicated.
+        # With tensor parallelism the programs are compiled for the mesh. Their
+        # inputs carry their shardings (weights and pool are placed above, host
+        # buffers are put replicated by ``_put``: jit does not take
+        # in_shardings together with the static shape keywords); their outputs
+        # are given explicitly.
         shardings: dict[str, Any] = {}
         head_shardings: dict[str, Any] = {}
-        # Inputs carry theirs: the weights and the pool are placed above, and
-        # host buffers are put replicated (``_put``); jit does not take
-        # in_shardings together with the static shape keywords.
-        self._replicated = None
         copy_shardings: dict[str, Any] = {}
+        self._replicated = None
         if self.mesh is not None:
             self._replicated = everywhere
             shardings = {"out_shardings": (everywhere, pool_sharding)}
