@@ -164,20 +164,13 @@ def optional_number(value: str | None, option: str) -> float | None | str:
 
 
 def read_tokens(path: str) -> list[int]:
+    """Token ids from a file, in the format the daemon's config reads."""
+    from kvd.server.config import ConfigError, read_token_file
+
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        fail(f"{path}: {exc.strerror or exc}")
-    try:
-        if text.lstrip().startswith("["):
-            tokens = json.loads(text)
-        else:
-            tokens = [int(part) for part in text.split()]
-    except ValueError:
-        fail(f"{path}: not a JSON array of token ids nor ids separated by spaces")
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-        fail(f"{path}: token ids must be integers")
-    return tokens
+        return read_token_file(Path(path))
+    except ConfigError as exc:
+        fail(str(exc))
 
 
 def wait_drained(c: Client, timeout: float | None) -> NoReturn:
