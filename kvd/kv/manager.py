@@ -198,6 +198,14 @@ class KVManager:
         self._own(seq)
         seq.tokens.extend(tokens)
 
+    def append_decoded(self, work: Iterable[tuple[Sequence, int]]) -> None:
+        """One sampled token for each sequence of a step (``append_tokens`` in one loop)."""
+        sequences = self.sequences
+        for seq, token in work:
+            if sequences.get(seq.seq_id) is not seq:
+                raise KVError(f"sequence {seq.seq_id} is not live in this KV manager")
+            seq.tokens.append(token)
+
     def finish(self, seq: Sequence) -> None:
         """Release every page and forget the sequence."""
         self._own(seq)
@@ -397,6 +405,18 @@ class KVManager:
 
         Raises KVError, changing nothing, if the pages or the budget are not there.
         """
+        refused = self.try_allocate(seq, num_tokens, hit)
+        if refused is not None:
+            raise KVError(
+                f"cannot allocate {refused.idle_pages} pages for tenant {seq.tenant!r}: "
+                f"{self.pool.num_idle()} idle, headroom {self.ledger.headroom(seq.tenant)}"
+            )
+
+    def try_allocate(
+        self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None
+    ) -> Demand | None:
+        """``allocate`` if the pages and the budget are there (None); otherwise
+        change nothing and return the demand that did not fit, for an eviction plan."""
         demand = self.demand(seq, num_tokens, hit)
         if hit is not None:
             if hit.seq_id != seq.seq_id:
@@ -404,10 +424,7 @@ class KVManager:
             if hit.epoch != self.pool.evictions or hit.generation != self.generation:
                 raise KVError("stale prefix hit: the cache or sharing changed since the lookup")
         if not self.fits(seq.tenant, demand):
-            raise KVError(
-                f"cannot allocate {demand.idle_pages} pages for tenant {seq.tenant!r}: "
-                f"{self.pool.num_idle()} idle, headroom {self.ledger.headroom(seq.tenant)}"
-            )
+            return demand
         if seq.state is KVState.WAITING:
             self._start(seq, hit)
         needed = -(-(seq.num_computed + num_tokens) // self.block_size) - seq.num_blocks
@@ -418,6 +435,7 @@ class KVManager:
             seq.num_blocks += needed
             seq.table_version += 1
         seq.num_allocated = seq.num_computed + num_tokens
+        return None
 
     def _start(self, seq: Sequence, hit: PrefixHit | None) -> None:
         if seq.scope is None:
@@ -449,19 +467,28 @@ class KVManager:
         Newly full blocks enter the prefix cache; sliding groups release the
         blocks no future query can see.
         """
-        self._own(seq)
-        if seq.state is not KVState.RESIDENT:
-            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
-        old = seq.num_computed
-        new = old + num_tokens
-        if num_tokens < 1 or new > seq.num_allocated:
-            raise KVError(f"cannot commit {num_tokens} tokens to sequence {seq.seq_id}")
-        seq.num_computed = new
-        bs = self.block_size
-        if new // bs > old // bs:
-            self._register_blocks(seq, old // bs, new // bs)
-        if self.window is not None and new - self.window + 1 >= (seq.sliding_start + 1) * bs:
-            self._slide(seq, self.first_needed_block(new))
+        self.commit_batch(((seq, num_tokens),))
+
+    def commit_batch(self, work: Iterable[tuple[Sequence, int]]) -> None:
+        """``commit`` for every (sequence, tokens) of one engine step, in one loop:
+        a step of hundreds of decodes costs one call, and only the sequences
+        that fill a block or move their window past one do more than count."""
+        sequences, resident = self.sequences, KVState.RESIDENT
+        bs, window = self.block_size, self.window
+        for seq, num_tokens in work:
+            if sequences.get(seq.seq_id) is not seq:
+                raise KVError(f"sequence {seq.seq_id} is not live in this KV manager")
+            if seq.state is not resident:
+                raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
+            old = seq.num_computed
+            new = old + num_tokens
+            if num_tokens < 1 or new > seq.num_allocated:
+                raise KVError(f"cannot commit {num_tokens} tokens to sequence {seq.seq_id}")
+            seq.num_computed = new
+            if new // bs > old // bs:
+                self._register_blocks(seq, old // bs, new // bs)
+            if window is not None and new - window + 1 >= (seq.sliding_start + 1) * bs:
+                self._slide(seq, self.first_needed_block(new))
 
     def _register_blocks(self, seq: Sequence, start: int, stop: int) -> None:
         scope = seq.scope if seq.scope is not None else self._ensure_scope(seq)

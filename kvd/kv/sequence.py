@@ -24,22 +24,23 @@ class Sequence:
     full block ``b``, filled as blocks fill.
     """
 
+    # What a decode step reads first: every step touches every running sequence.
     __slots__ = (
         "seq_id",
+        "state",
+        "num_computed",
+        "num_allocated",
+        "num_blocks",
+        "tokens",
+        "table_version",
+        "sliding_start",
         "tenant",
         "tier",
         "arrival",
         "cache_salt",
-        "tokens",
-        "num_computed",
-        "num_allocated",
         "tables",
-        "table_version",
-        "num_blocks",
-        "sliding_start",
         "hashes",
         "scope",
-        "state",
         "swapped_blocks",
         "cached_tokens",
     )

@@ -20,6 +20,7 @@ Finished and cancelled sequences give their pages back at once.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 import time
@@ -77,27 +78,60 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# Fields a decode step reads come first: a step touches every running request,
+# and on a CPU whose caches the model call has just flushed, each cache line
+# of each request costs a miss.
+@dataclass(slots=True, eq=False, kw_only=True)  # eq=False: compared by identity
 class Request:
+    seq: Sequence | None = None
+    state: RequestState = RequestState.WAITING
     request_id: str
     tenant: str
-    prompt: list[int]
+    last_token_at: float | None = None
+    stop_length: int  # prompt + max_tokens, or the context: the sequence ends at this length
+    prompt_len: int
     params: SamplingParams
+    prompt: list[int]
     tier: int
     arrival: float
     deadline: float | None
     cache_salt: str | None
-    seq: Sequence | None = None
-    state: RequestState = RequestState.WAITING
-    output: list[int] = field(default_factory=list)
+    order_key: tuple[int, float, int]  # (tier, arrival, serial): the running order
     finish_reason: str | None = None
     host_pages: tuple[list[tuple[int, int]], np.ndarray[Any, Any]] | None = None
     first_token_at: float | None = None
-    last_token_at: float | None = None
     started_at: float | None = None
     charged_input: bool = False
     cached_tokens: int = 0
     preemptions: int = 0
+
+    @property
+    def output(self) -> list[int]:
+        """The tokens generated so far (they follow the prompt in its sequence)."""
+        return [] if self.seq is None else self.seq.tokens[self.prompt_len :]
+
+
+class RunningOrder:
+    """The running requests, most important first (tier, then age), kept
+    sorted as requests come and go instead of sorted again every step."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, float, int]] = []
+        self._requests: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        at = bisect.bisect_left(self._keys, request.order_key)
+        self._keys.insert(at, request.order_key)
+        self._requests.insert(at, request)
+
+    def remove(self, request: Request) -> None:
+        at = bisect.bisect_left(self._keys, request.order_key)
+        if at < len(self._requests) and self._requests[at] is request:
+            del self._keys[at]
+            del self._requests[at]
+
+    def snapshot(self) -> list[Request]:
+        return list(self._requests)
 
 
 class StepEvent(msgspec.Struct, frozen=True):
@@ -169,6 +203,8 @@ class Scheduler:
         self.counters = VirtualCounters()
         self.requests: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
+        self._running_order = RunningOrder()
+        self._serials = itertools.count()
         self.swapped: dict[str, Request] = {}
         self.tenant_stats: dict[str, TenantStats] = {}
         self.steps = 0
@@ -279,15 +315,19 @@ class Scheduler:
                 ) from None
             self.tenant_stats[tenant].rate_limited += 1
             raise Rejection(429, "rate_limited", str(exc), exc.retry_after) from None
+        tier_index = self.config.tiers.index(tier_name)
         request = Request(
-            request_id,
-            tenant,
-            list(prompt),
-            params,
-            self.config.tiers.index(tier_name),
-            now,
-            None if deadline_s is None else now + deadline_s,
-            cache_salt,
+            request_id=request_id,
+            tenant=tenant,
+            stop_length=len(prompt) + min(params.max_tokens, limit - len(prompt)),
+            prompt_len=len(prompt),
+            params=params,
+            prompt=list(prompt),
+            tier=tier_index,
+            arrival=now,
+            deadline=None if deadline_s is None else now + deadline_s,
+            cache_salt=cache_salt,
+            order_key=(tier_index, now, next(self._serials)),
         )
         if not queue and not self._backlogged(tenant):
             self.counters.activate(tenant, self._active_tenants())
@@ -332,32 +372,35 @@ class Scheduler:
             return events
         batch = [(r.seq, n, r.params) for r, n in work if r.seq is not None]
         tokens, logprobs, stopped = self.engine.step(batch)
-        now = self.clock()
-        served: dict[str, int] = {}
-        for (request, _), token, logprob, stop in zip(
-            work, tokens.tolist(), logprobs.tolist(), stopped.tolist(), strict=True
-        ):
-            if self._emit(request, token, logprob, stop, now, events):
-                served[request.tenant] = served.get(request.tenant, 0) + 1
-        for tenant, count in served.items():  # fair share and counters, once per tenant
-            self.counters.charge(tenant, output_tokens=count)
-            self.tenant_stats[tenant].completion_tokens += count
+        self._record_tokens(work, tokens.tolist(), logprobs.tolist(), stopped.tolist(), events)
         return events
+
+    def _add_running(self, request: Request) -> None:
+        self.running[request.request_id] = request
+        self._running_order.add(request)
+
+    def _remove_running(self, request: Request) -> None:
+        del self.running[request.request_id]
+        self._running_order.remove(request)
 
     def _order(self, requests: list[Request]) -> list[Request]:
         return sorted(requests, key=lambda r: (r.tier, r.arrival))
 
     def _schedule_running(self, work: list[tuple[Request, int]], budget: int) -> int:
         max_seqs = self.engine.config.max_num_seqs
-        for request in self._order(list(self.running.values())):
-            if request.state is not RequestState.RUNNING or budget <= 0:
-                continue
-            if len(work) >= max_seqs:
+        extend_in_place = self.kv.extend_in_place
+        running = RequestState.RUNNING
+        # A snapshot: making room for one request may preempt others.
+        for request in self._running_order.snapshot():
+            if budget <= 0 or len(work) >= max_seqs:
                 break
+            if request.state is not running:
+                continue  # preempted while making room for an earlier one
             seq = request.seq
             assert seq is not None
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            if self._ensure_pages(request, n, None, work):
+            # Most steps, a decode's slot lies in a block it holds: no policy to run.
+            if extend_in_place(seq, n) or self._ensure_pages(request, n, None, work):
                 work.append((request, n))
                 budget -= n
         return budget
@@ -379,7 +422,7 @@ class Scheduler:
             request.host_pages = None
             request.state = RequestState.RUNNING
             del self.swapped[request.request_id]
-            self.running[request.request_id] = request
+            self._add_running(request)
             n = min(len(seq.tokens) - seq.num_computed, budget)
             if self._ensure_pages(request, n, None, work):
                 work.append((request, n))
@@ -411,7 +454,7 @@ class Scheduler:
                 request.seq = self.kv.add_sequence(
                     next(self._seq_ids),
                     request.tenant,
-                    request.prompt + request.output,
+                    request.prompt,
                     tier=request.tier,
                     cache_salt=request.cache_salt,
                 )
@@ -423,7 +466,7 @@ class Scheduler:
                 continue
             self.queues[request.tenant].popleft()
             request.state = RequestState.RUNNING
-            self.running[request.request_id] = request
+            self._add_running(request)
             if request.started_at is None:
                 request.started_at = now
                 request.cached_tokens = hit.num_tokens
@@ -457,9 +500,8 @@ class Scheduler:
         kv = self.kv
         if hit is None and kv.extend_in_place(seq, n):
             return True
-        demand = kv.demand(seq, n, hit)
-        if kv.fits(request.tenant, demand):
-            kv.allocate(seq, n, hit)
+        demand = kv.try_allocate(seq, n, hit)
+        if demand is None:
             return True
         plan = plan_eviction(kv, seq, demand, hit)
         if plan is None:
@@ -497,7 +539,7 @@ class Scheduler:
                 break
         kind = self.preemption_kind(seq)
         stats = self.tenant_stats[request.tenant]
-        del self.running[request.request_id]
+        self._remove_running(request)
         request.preemptions += 1
         self.preemptions += 1
         if seq.num_computed == 0:
@@ -519,52 +561,60 @@ class Scheduler:
 
     # -- results -------------------------------------------------------------------
 
-    def _emit(
+    def _record_tokens(
         self,
-        request: Request,
-        token: int,
-        logprob: float,
-        stopped: bool,
-        now: float,
+        work: list[tuple[Request, int]],
+        tokens: list[int],
+        logprobs: list[float],
+        stopped: list[bool],
         events: list[StepEvent],
-    ) -> bool:
-        """Record a sampled token; False if the step computed no token to keep."""
-        seq = request.seq
-        if seq is None or request.state is not RequestState.RUNNING:
-            return False
-        if seq.num_computed < len(seq.tokens):
-            return False  # a prefill chunk: nothing sampled yet
-        request.output.append(token)
-        if request.first_token_at is None:
-            request.first_token_at = now
-            self._ttft.append(now - request.arrival)
-        elif request.last_token_at is not None:
-            self._itl.append(now - request.last_token_at)
-        request.last_token_at = now
-        reason = self._finish_reason(request, token, stopped)
-        events.append(StepEvent(request.request_id, token, logprob, reason is not None, reason))
-        if reason is None:
-            self.kv.append_tokens(seq, (token,))
-        else:
+    ) -> None:
+        """Turn one step's sampled tokens into events, in one pass over the batch
+        (this runs for every running sequence every step)."""
+        now = self.clock()
+        stop_ids = self.engine.stop_ids
+        running = RequestState.RUNNING
+        itl, append_event = self._itl, events.append
+        served: dict[str, int] = {}
+        grown: list[tuple[Sequence, int]] = []
+        finished: list[tuple[Request, str]] = []
+        for (request, _), token, logprob, stop in zip(work, tokens, logprobs, stopped, strict=True):
+            seq = request.seq
+            if seq is None or request.state is not running:
+                continue
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prefill chunk: nothing sampled yet
+            last = request.last_token_at
+            if last is None:
+                request.first_token_at = now
+                self._ttft.append(now - request.arrival)
+            else:
+                itl.append(now - last)
+            request.last_token_at = now
+            reason = None
+            if stop or token in stop_ids:
+                reason = "stop"
+            elif len(seq.tokens) + 1 >= request.stop_length:  # with this token
+                reason = "length"
+            append_event(StepEvent(request.request_id, token, logprob, reason is not None, reason))
+            tenant = request.tenant
+            served[tenant] = served.get(tenant, 0) + 1
+            grown.append((seq, token))  # a last token too: it is part of the output
+            if reason is not None:
+                finished.append((request, reason))
+        self.kv.append_decoded(grown)
+        for request, reason in finished:
             self._finish(request, reason)
-        return True
-
-    def _finish_reason(self, request: Request, token: int, stopped: bool) -> str | None:
-        if stopped:
-            return "stop"
-        if token in self.engine.stop_ids:
-            return "stop"
-        if len(request.output) >= request.params.max_tokens:
-            return "length"
-        if len(request.prompt) + len(request.output) >= self.engine.config.max_model_len:
-            return "length"
-        return None
+        for tenant, count in served.items():  # fair share and counters, once per tenant
+            self.counters.charge(tenant, output_tokens=count)
+            self.tenant_stats[tenant].completion_tokens += count
 
     def _finish(self, request: Request, reason: str) -> None:
         seq = request.seq
         if seq is not None and seq.state is not KVState.RELEASED:
             self.kv.finish(seq)
-        self.running.pop(request.request_id, None)
+        if request.state is RequestState.RUNNING:
+            self._remove_running(request)
         self.swapped.pop(request.request_id, None)
         queue = self.queues[request.tenant]
         if request in queue:
