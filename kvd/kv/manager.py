@@ -417,6 +417,8 @@ class KVManager:
     ) -> Demand | None:
         """``allocate`` if the pages and the budget are there (None); otherwise
         change nothing and return the demand that did not fit, for an eviction plan."""
+        if hit is None and seq.state is KVState.RESIDENT:
+            return self._grow(seq, num_tokens)
         demand = self.demand(seq, num_tokens, hit)
         if hit is not None:
             if hit.seq_id != seq.seq_id:
@@ -435,6 +437,29 @@ class KVManager:
             seq.num_blocks += needed
             seq.table_version += 1
         seq.num_allocated = seq.num_computed + num_tokens
+        return None
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> Demand | None:
+        """``try_allocate`` for a resident sequence: fresh pages only, no hit.
+        (A decode crossing into a new block comes here; it is 1 in 16 of them.)"""
+        self._own(seq)
+        new = seq.num_computed + num_tokens
+        if num_tokens < 1 or new > len(seq.tokens):
+            raise KVError(
+                f"sequence {seq.seq_id} has {len(seq.tokens)} tokens; cannot compute "
+                f"{num_tokens} more after {seq.num_computed}"
+            )
+        needed = -(-new // self.block_size) - seq.num_blocks
+        if needed > 0:
+            fresh = needed * self.num_groups
+            if fresh > self.pool.num_idle() or fresh > self.ledger.headroom(seq.tenant):
+                return Demand(fresh, 0, fresh)
+            pages = self.pool.take(seq.tenant, fresh)
+            for g, table in enumerate(seq.tables):
+                table += pages[g * needed : (g + 1) * needed]
+            seq.num_blocks += needed
+            seq.table_version += 1
+        seq.num_allocated = new
         return None
 
     def _start(self, seq: Sequence, hit: PrefixHit | None) -> None:
