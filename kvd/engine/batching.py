@@ -8,7 +8,6 @@ buckets, so a step after warm-up never compiles.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -46,95 +45,75 @@ SAMPLING_INTS = SAMPLING_STOP + MAX_STOP_IDS
 SAMPLING_FLOATS = 2
 
 
-@dataclass
-class CollectedStep:
-    """What ``SequenceRows.collect`` gathers of a step's sequences, in order."""
-
-    sequences: list[Sequence]
-    rows: list[int]  # each one's row in SequenceRows
-    tokens: list[int]  # the tokens to compute, flattened
-    starts: list[int]  # each one's first position
-    lengths: list[int]  # how many tokens each computes
-    widest: int  # the most blocks any of them holds
-
-
 class SequenceRows:
     """What a step needs of each sequence that does not change from token to
     token, kept as rows of persistent arrays (as vLLM's input batch keeps its
     per-request state): block tables, rewritten only when the sequence's
-    ``table_version`` moves, and sampling parameters, written when a sequence
-    first runs with them. A decode step then gathers rows by index instead of
+    ``table_version`` stamp moves, and sampling parameters, written when a
+    sequence first runs with them. A step then gathers rows by index instead of
     converting Python lists and parameter objects for every sequence.
 
-    Row 0 stays null: an all-null table (padding reads only the null page) and
-    greedy sampling without stop ids.
+    A sequence's row is its KV column slot + 1; row 0 stays null: an all-null
+    table (padding reads only the null page) and greedy sampling without stop ids.
     """
 
-    def __init__(self, groups: int, rows: int, width: int) -> None:
-        self.tables = np.zeros((groups, rows + 1, width), np.int32)
-        self.ints = np.zeros((rows + 1, SAMPLING_INTS), np.int32)
-        self.ints[:, SAMPLING_STOP:] = -1
-        self.floats = np.zeros((rows + 1, SAMPLING_FLOATS), np.float32)
-        self.floats[:, 1] = 1.0  # top_p off
-        # seq id -> (row, table version, the sequence, its sampling params)
-        self._rows: dict[int, tuple[int, int, Sequence, SamplingParams | None]] = {}
-        self._free = list(range(rows, 0, -1))
+    def __init__(self, groups: int, width: int) -> None:
+        self.groups, self.width = groups, width
+        self.capacity = 0
+        self.tables = np.zeros((groups, 1, width), np.int32)
+        self.ints = np.zeros((1, SAMPLING_INTS), np.int32)
+        self.floats = np.zeros((1, SAMPLING_FLOATS), np.float32)
+        self.stamps = np.zeros(1, np.int64)  # the table version each row holds
+        self._sequences: list[Sequence | None] = [None]  # whose sampling row it is
+        self._params: list[SamplingParams | None] = [None]
         self._seeds = np.random.default_rng()
+        self._grow(64)
 
-    def collect(self, work: Seq[tuple[Sequence, int, SamplingParams | None]]) -> CollectedStep:
-        """One pass over a step's sequences, writing the rows of new or changed ones."""
-        get = self._rows.get
-        step = CollectedStep([], [], [], [], [], 0)
-        rows, tokens, starts, lengths = step.rows, step.tokens, step.starts, step.lengths
-        widest = 0
-        for seq, n, params in work:
-            entry = get(seq.seq_id)
-            if (
-                entry is None
-                or entry[2] is not seq
-                or entry[1] != seq.table_version
-                or entry[3] is not params
-            ):
-                rows.append(self._write(seq, params, entry))
-            else:
-                rows.append(entry[0])
-            start = seq.num_computed
-            if n == 1:
-                tokens.append(seq.tokens[start])
-            else:
-                tokens += seq.tokens[start : start + n]
-            starts.append(start)
-            lengths.append(n)
-            if seq.num_blocks > widest:
-                widest = seq.num_blocks
-        step.sequences = [seq for seq, _, _ in work]
-        step.widest = widest
-        return step
+    def _grow(self, capacity: int) -> None:
+        rows = capacity + 1
+        tables = np.zeros((self.groups, rows, self.width), np.int32)
+        tables[:, : self.tables.shape[1]] = self.tables
+        ints = np.zeros((rows, SAMPLING_INTS), np.int32)
+        ints[:, SAMPLING_STOP:] = -1
+        ints[: len(self.ints)] = self.ints
+        floats = np.zeros((rows, SAMPLING_FLOATS), np.float32)
+        floats[:, 1] = 1.0  # top_p off
+        floats[: len(self.floats)] = self.floats
+        stamps = np.full(rows, -1, np.int64)
+        stamps[: len(self.stamps)] = self.stamps
+        stamps[0] = 0
+        self.tables, self.ints, self.floats, self.stamps = tables, ints, floats, stamps
+        self._sequences += [None] * (capacity - self.capacity)
+        self._params += [None] * (capacity - self.capacity)
+        self.capacity = capacity
 
-    def _write(
+    def prepare(
         self,
-        seq: Sequence,
-        params: SamplingParams | None,
-        entry: tuple[int, int, Sequence, SamplingParams | None] | None,
-    ) -> int:
-        if entry is not None and entry[2] is seq:
-            row = entry[0]
-        else:
-            if entry is not None:  # the id was reused by a new sequence
-                self._free.append(entry[0])
-            if not self._free:
-                self._reclaim()
-            row = self._free.pop()
-            entry = None
-        if entry is None or entry[1] != seq.table_version:
-            blocks = seq.num_blocks
-            self.tables[:, row, :] = 0
-            if blocks:
-                self.tables[:, row, :blocks] = seq.tables
-        if params is not None and (entry is None or entry[3] is not params):
-            self._write_sampling(row, params)
-        self._rows[seq.seq_id] = (row, seq.table_version, seq, params)
-        return row
+        seqs: Seq[Sequence],
+        slots: np.ndarray[Any, Any],
+        params: Seq[SamplingParams | None],
+        versions: np.ndarray[Any, Any],
+    ) -> np.ndarray[Any, Any]:
+        """The rows of ``seqs`` (at column ``slots``, tables at ``versions``),
+        rewritten where stale."""
+        rows = slots + 1
+        if len(rows) and int(rows.max()) > self.capacity:
+            self._grow(max(2 * self.capacity, int(rows.max())))
+        for i in np.flatnonzero(self.stamps[rows] != versions).tolist():
+            self._write_tables(int(rows[i]), seqs[i], int(versions[i]))
+        sequences, known = self._sequences, self._params
+        for row, seq, p in zip(rows.tolist(), seqs, params, strict=True):
+            if (sequences[row] is not seq or known[row] is not p) and p is not None:
+                self._write_sampling(row, p)
+                sequences[row], known[row] = seq, p
+        return rows
+
+    def _write_tables(self, row: int, seq: Sequence, version: int) -> None:
+        blocks = seq.num_blocks
+        self.tables[:, row, blocks:] = 0
+        if blocks:
+            self.tables[:, row, :blocks] = seq.tables
+        self.stamps[row] = version
 
     def _write_sampling(self, row: int, params: SamplingParams) -> None:
         ints, floats = self.ints[row], self.floats[row]
@@ -149,16 +128,6 @@ class SequenceRows:
         ints[SAMPLING_STOP : SAMPLING_STOP + len(params.stop_token_ids)] = params.stop_token_ids
         floats[0] = params.temperature
         floats[1] = params.top_p
-
-    def _reclaim(self) -> None:
-        from kvd.kv.sequence import KVState
-
-        for seq_id, (row, _, seq, _) in list(self._rows.items()):
-            if seq.state is not KVState.RESIDENT:
-                del self._rows[seq_id]
-                self._free.append(row)
-        if not self._free:
-            raise RuntimeError("more resident sequences than table rows")
 
     def sampling(
         self, rows: np.ndarray[Any, Any], positions: np.ndarray[Any, Any]
@@ -191,9 +160,9 @@ def build_step_batch(
 
 
 def assemble_step_batch(
-    tokens: list[int],
-    starts: list[int],
-    lengths: list[int],
+    tokens: Seq[int] | np.ndarray[Any, Any],
+    starts: Seq[int] | np.ndarray[Any, Any],
+    lengths: Seq[int],
     tables: np.ndarray[Any, Any],
     block_size: int,
     num_tokens: int,

@@ -213,7 +213,7 @@ class Engine:
         self.late_compiles = 0  # programs compiled after warm_up(): a bucketing bug
         self.device_seconds = 0.0  # time in device programs and their results, all steps
         self._warm = False
-        self._rows = SequenceRows(self.layout.num_groups, 4 * cfg.max_num_seqs, max_blocks)
+        self._rows = SequenceRows(self.layout.num_groups, max_blocks)
         tokenizer = model.tokenizer
         # EOS and end-of-turn end every generation (no tokenizer: a bare model in tests).
         self.stop_ids = tokenizer.stop_ids() if tokenizer is not None else frozenset()
@@ -334,28 +334,56 @@ class Engine:
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         """Compute the scheduled tokens (pages already allocated), commit them to
         the KV manager, and return sampled (tokens, logprobs, stopped) per entry."""
-        count = len(work)
+        return self.run(
+            [seq for seq, _, _ in work], [n for _, n, _ in work], [p for _, _, p in work]
+        )
+
+    def run(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        params: list[SamplingParams],
+        slots: np.ndarray[Any, Any] | None = None,
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """``step`` with the work as parallel lists (the scheduler's form);
+        ``slots``: the sequences' ``kv.slots_of``, if the caller has it."""
+        count = len(seqs)
         if count > self.config.max_num_seqs:
             raise EngineError(f"{count} sequences exceed max_num_seqs {self.config.max_num_seqs}")
+        if slots is None:
+            slots = self.kv.slots_of(seqs)
+        columns = self.kv.columns.vectors
+        starts = columns.computed[slots]
+        total = sum(counts)
+        tokens: Any
+        if total == count and (columns.length[slots] == starts + 1).all():
+            tokens = columns.last_token[slots]  # decodes: each computes its newest token
+        else:
+            tokens = [
+                t
+                for seq, start, n in zip(seqs, starts.tolist(), counts, strict=True)
+                for t in seq.tokens[start : start + n]
+            ]
+        tokens_bucket = bucket(total, self.token_buckets)
+        seqs_bucket = bucket(count, self.seq_buckets)
+        width = bucket(int(columns.blocks[slots].max()), self.block_buckets)
         cache = self._rows
-        step = cache.collect(work)
-        tokens_bucket = bucket(len(step.tokens), self.token_buckets)
-        seqs = bucket(count, self.seq_buckets)
-        width = bucket(step.widest, self.block_buckets)
-        rows = np.zeros(self.config.max_num_seqs, np.int32)
-        rows[:count] = step.rows
+        rows = np.zeros(self.config.max_num_seqs, np.int64)
+        rows[:count] = cache.prepare(seqs, slots, params, columns.table_version[slots])
         batch = assemble_step_batch(
-            step.tokens,
-            step.starts,
-            step.lengths,
+            tokens,
+            starts,
+            counts,
             cache.tables[:, rows, :width],
             self.layout.block_size,
             tokens_bucket,
         )
-        ints, floats = cache.sampling(rows[:seqs], batch.positions[batch.sample_index[:count]] + 1)
+        ints, floats = cache.sampling(
+            rows[:seqs_bucket], batch.positions[batch.sample_index[:count]] + 1
+        )
         flat = pack(batch)
         body_program = self._body_program(tokens_bucket, width)
-        head_program = self._head_program(seqs)
+        head_program = self._head_program(seqs_bucket)
         started = time.perf_counter()
         hidden, self.pool = body_program(self.params, self.pool, self._put(flat))
         sampled, logprobs, stopped = head_program(
@@ -363,7 +391,7 @@ class Engine:
         )
         sampled, logprobs, stopped = np.asarray(sampled), np.asarray(logprobs), np.asarray(stopped)
         self.device_seconds += time.perf_counter() - started
-        self.kv.commit_batch(zip(step.sequences, step.lengths, strict=True))
+        self.kv.commit_batch(seqs, counts, slots)
         return sampled[:count], logprobs[:count], stopped[:count]
 
     # -- one-shot generation ---------------------------------------------------------

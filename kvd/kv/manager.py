@@ -25,10 +25,16 @@ use it). A short sequence therefore never pays the eager window floor.
 
 from __future__ import annotations
 
+import itertools
+import operator
+from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
+import numpy as np
 
+from kvd.kv.columns import SequenceColumns
 from kvd.kv.geometry import AttentionKind
 from kvd.kv.layout import PageLayout
 from kvd.kv.ledger import BudgetMode, Ledger, TenantBudget
@@ -109,6 +115,8 @@ class KVManager:
         self.policy = SharingPolicy(policy)
         self.public = PublicPrefixes()
         self.sequences: dict[int, Sequence] = {}
+        self.columns = SequenceColumns()
+        self._stamps = itertools.count(1)  # table versions, unique across sequences
         self.num_groups = layout.num_groups
         self.global_groups = tuple(g.index for g in layout.groups_of(AttentionKind.GLOBAL))
         self.sliding_groups = tuple(g.index for g in layout.groups_of(AttentionKind.SLIDING))
@@ -184,8 +192,16 @@ class KVManager:
             raise KVError("a sequence needs at least one token")
         self._arrivals += 1
         seq = Sequence(
-            seq_id, tenant, token_list, tier, self._arrivals, cache_salt, self.num_groups
+            seq_id,
+            tenant,
+            token_list,
+            tier,
+            self._arrivals,
+            cache_salt,
+            self.num_groups,
+            self.columns,
         )
+        seq.table_version = next(self._stamps)
         self.sequences[seq_id] = seq
         return seq
 
@@ -196,15 +212,32 @@ class KVManager:
 
     def append_tokens(self, seq: Sequence, tokens: Iterable[int]) -> None:
         self._own(seq)
-        seq.tokens.extend(tokens)
+        seq.extend_tokens(tokens)
 
-    def append_decoded(self, work: Iterable[tuple[Sequence, int]]) -> None:
-        """One sampled token for each sequence of a step (``append_tokens`` in one loop)."""
-        sequences = self.sequences
-        for seq, token in work:
-            if sequences.get(seq.seq_id) is not seq:
-                raise KVError(f"sequence {seq.seq_id} is not live in this KV manager")
-            seq.tokens.append(token)
+    def append_decoded(
+        self, seqs: list[Sequence], tokens: list[int], slots: np.ndarray[Any, Any] | None = None
+    ) -> None:
+        """One sampled token for each of ``seqs`` (``append_tokens`` for a whole
+        step). ``slots``: their ``slots_of``, if the caller has it from this step."""
+        if slots is None:
+            slots = self.slots_of(seqs)
+        deque(map(list.append, [seq.tokens for seq in seqs], tokens), maxlen=0)
+        vectors = self.columns.vectors
+        vectors.length[slots] += 1
+        vectors.last_token[slots] = tokens
+
+    def slots_of(self, seqs: list[Sequence]) -> np.ndarray[Any, Any]:
+        """The column slots of live sequences of this manager (KVError otherwise)."""
+        slots = np.fromiter([seq.slot for seq in seqs], np.int64, len(seqs))
+        owner = self.columns.owner
+        try:
+            owned = all(map(operator.is_, map(owner.__getitem__, slots.tolist()), seqs))
+        except IndexError:  # a slot of another manager's columns
+            owned = False
+        if not owned:
+            stranger = next(seq for seq in seqs if self.sequences.get(seq.seq_id) is not seq)
+            raise KVError(f"sequence {stranger.seq_id} is not live in this KV manager")
+        return slots
 
     def finish(self, seq: Sequence) -> None:
         """Release every page and forget the sequence."""
@@ -214,6 +247,7 @@ class KVManager:
         self.release(seq)
         seq.state = KVState.RELEASED
         del self.sequences[seq.seq_id]
+        seq.detach()
 
     def release(self, seq: Sequence) -> None:
         """Drop every page (preemption by recompute, or the end of a sequence).
@@ -242,7 +276,7 @@ class KVManager:
                     drop(page, tenant)
         for table in seq.tables:
             table.clear()
-        seq.table_version += 1
+        seq.table_version = next(self._stamps)
 
     # -- prefix lookup ---------------------------------------------------------
 
@@ -435,7 +469,7 @@ class KVManager:
             for g, table in enumerate(seq.tables):
                 table += pages[g * needed : (g + 1) * needed]
             seq.num_blocks += needed
-            seq.table_version += 1
+            seq.table_version = next(self._stamps)
         seq.num_allocated = seq.num_computed + num_tokens
         return None
 
@@ -458,7 +492,7 @@ class KVManager:
             for g, table in enumerate(seq.tables):
                 table += pages[g * needed : (g + 1) * needed]
             seq.num_blocks += needed
-            seq.table_version += 1
+            seq.table_version = next(self._stamps)
         seq.num_allocated = new
         return None
 
@@ -477,7 +511,7 @@ class KVManager:
                     touch(page, tenant)
             table += pages
         seq.num_blocks = hit.num_blocks
-        seq.table_version += 1
+        seq.table_version = next(self._stamps)
         seq.num_computed = seq.num_allocated = seq.cached_tokens = hit.num_tokens
         seq.sliding_start = hit.sliding_start
         self.prefix_hit_tokens += hit.num_tokens
@@ -492,28 +526,74 @@ class KVManager:
         Newly full blocks enter the prefix cache; sliding groups release the
         blocks no future query can see.
         """
-        self.commit_batch(((seq, num_tokens),))
+        self._own(seq)
+        if seq.state is not KVState.RESIDENT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
+        old = seq.num_computed
+        new = old + num_tokens
+        if num_tokens < 1 or new > seq.num_allocated:
+            raise KVError(f"cannot commit {num_tokens} tokens to sequence {seq.seq_id}")
+        seq.num_computed = new
+        bs = self.block_size
+        if new // bs > old // bs:
+            self._register_blocks(seq, old // bs, new // bs)
+        if self.window is not None and new - self.window + 1 >= (seq.sliding_start + 1) * bs:
+            self._slide(seq, self.first_needed_block(new))
 
-    def commit_batch(self, work: Iterable[tuple[Sequence, int]]) -> None:
-        """``commit`` for every (sequence, tokens) of one engine step, in one loop:
-        a step of hundreds of decodes costs one call, and only the sequences
-        that fill a block or move their window past one do more than count."""
-        sequences, resident = self.sequences, KVState.RESIDENT
-        bs, window = self.block_size, self.window
-        for seq, num_tokens in work:
-            if sequences.get(seq.seq_id) is not seq:
-                raise KVError(f"sequence {seq.seq_id} is not live in this KV manager")
-            if seq.state is not resident:
-                raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
-            old = seq.num_computed
-            new = old + num_tokens
-            if num_tokens < 1 or new > seq.num_allocated:
-                raise KVError(f"cannot commit {num_tokens} tokens to sequence {seq.seq_id}")
-            seq.num_computed = new
-            if new // bs > old // bs:
-                self._register_blocks(seq, old // bs, new // bs)
-            if window is not None and new - window + 1 >= (seq.sliding_start + 1) * bs:
-                self._slide(seq, self.first_needed_block(new))
+    def commit_batch(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        slots: np.ndarray[Any, Any] | None = None,
+    ) -> None:
+        """``commit`` for a whole step: ``counts[i]`` tokens of ``seqs[i]``
+        (``slots``: their ``slots_of``, if the caller has it from this step).
+
+        The counters move as arrays; only the sequences that fill a block or
+        move their window past one do Python work. All or nothing: a bad entry
+        raises before anything changes.
+        """
+        if not seqs:
+            return
+        if slots is None:
+            slots = self.slots_of(seqs)
+        vectors = self.columns.vectors
+        counts_array = np.asarray(counts, np.int64)
+        old = vectors.computed[slots]
+        new = old + counts_array
+        bad = (vectors.resident[slots] != 1) | (counts_array < 1) | (new > vectors.allocated[slots])
+        if bad.any() or len(set(slots.tolist())) != len(seqs):
+            for seq, count in zip(seqs, counts, strict=True):  # the precise error
+                if seq.state is not KVState.RESIDENT:
+                    raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
+                if count < 1 or seq.num_computed + count > seq.num_allocated:
+                    raise KVError(f"cannot commit {count} tokens to sequence {seq.seq_id}")
+            raise KVError("a sequence appears twice in one commit")
+        vectors.computed[slots] = new
+        bs = self.block_size
+        for i in np.flatnonzero(new // bs > old // bs).tolist():
+            self._register_blocks(seqs[i], int(old[i]) // bs, int(new[i]) // bs)
+        if self.window is not None:
+            moved = new - self.window + 1 >= (vectors.sliding_start[slots] + 1) * bs
+            for i in np.flatnonzero(moved).tolist():
+                self._slide(seqs[i], self.first_needed_block(int(new[i])))
+
+    def extend_decodes(self, seqs: list[Sequence]) -> list[int]:
+        """``extend_in_place(seq, 1)`` for every sequence that is one token from
+        done and has room for it in its last block; returns the indices of the
+        others, which need the full allocation path."""
+        if not seqs:
+            return []
+        slots = self.slots_of(seqs)
+        vectors = self.columns.vectors
+        computed = vectors.computed[slots]
+        fits = (
+            (vectors.resident[slots] == 1)
+            & (vectors.length[slots] == computed + 1)
+            & (computed < vectors.blocks[slots] * self.block_size)
+        )
+        vectors.allocated[slots[fits]] = computed[fits] + 1
+        return np.flatnonzero(~fits).tolist()  # type: ignore[no-any-return]
 
     def _register_blocks(self, seq: Sequence, start: int, stop: int) -> None:
         scope = seq.scope if seq.scope is not None else self._ensure_scope(seq)
@@ -544,7 +624,7 @@ class KVManager:
                     drop(page, tenant)
                     table[block] = NULL_PAGE
         seq.sliding_start = first_needed
-        seq.table_version += 1
+        seq.table_version = next(self._stamps)
 
     # -- swapping ----------------------------------------------------------------
 
@@ -596,7 +676,7 @@ class KVManager:
                 table[block] = page = next(pages)
                 copies.append(PageCopy(g, block, page))
             seq.tables[g] = table
-        seq.table_version += 1
+        seq.table_version = next(self._stamps)
         seq.swapped_blocks = None
         seq.state = KVState.RESIDENT
         seq.num_allocated = seq.num_computed
@@ -642,3 +722,10 @@ class KVManager:
                 per[seq.tenant] = per.get(seq.tenant, 0) + 1
         for page in range(1, self.pool.num_pages):
             assert (self.pool.holders[page] or {}) == refs.get(page, {}), page
+        columns = self.columns
+        assert columns.live() == len(self.sequences)
+        for seq in self.sequences.values():
+            assert columns.owner[seq.slot] is seq, seq
+            assert columns.length[seq.slot] == len(seq.tokens), seq
+            assert columns.last_token[seq.slot] == (seq.tokens[-1] if seq.tokens else 0), seq
+            assert columns.resident[seq.slot] == (seq.state is KVState.RESIDENT), seq

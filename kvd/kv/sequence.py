@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
+from kvd.kv.columns import DetachedColumns, SequenceColumns
 from kvd.kv.scope import Scope
 
 
@@ -15,6 +17,18 @@ class KVState(enum.Enum):
     RELEASED = "released"  # removed from the manager
 
 
+def _column(name: str, doc: str) -> property:
+    """A Sequence attribute stored in its slot of the manager's columns."""
+
+    def get(seq: Sequence) -> int:
+        return seq._columns.__dict__[name][seq.slot]  # type: ignore[no-any-return]
+
+    def put(seq: Sequence, value: int) -> None:
+        seq._columns.__dict__[name][seq.slot] = value
+
+    return property(get, put, doc=doc)
+
+
 class Sequence:
     """Per-request KV bookkeeping, owned and mutated by the KV manager only.
 
@@ -22,18 +36,17 @@ class Sequence:
     null page where a sliding group released it. All tables have ``num_blocks``
     entries: groups allocate in lock-step. ``hashes[b]`` is the chained hash of
     full block ``b``, filled as blocks fill.
+
+    The counters a step advances live in the manager's ``SequenceColumns``, in
+    this sequence's ``slot`` (kvd/kv/columns.py); they read as attributes.
     """
 
-    # What a decode step reads first: every step touches every running sequence.
     __slots__ = (
         "seq_id",
-        "state",
-        "num_computed",
-        "num_allocated",
-        "num_blocks",
+        "_state",
+        "_columns",
+        "slot",
         "tokens",
-        "table_version",
-        "sliding_start",
         "tenant",
         "tier",
         "arrival",
@@ -45,6 +58,16 @@ class Sequence:
         "cached_tokens",
     )
 
+    num_computed = _column("computed", "tokens whose K/V are written")
+    num_allocated = _column(
+        "allocated", "tokens with a slot: computed + allocated for the next step"
+    )
+    num_blocks = _column("blocks", "entries in each of ``tables``")
+    sliding_start = _column("sliding_start", "sliding groups hold no page below this block")
+    table_version = _column(
+        "table_version", "a fresh stamp on every change of ``tables`` (for device-side caches)"
+    )
+
     def __init__(
         self,
         seq_id: int,
@@ -54,24 +77,48 @@ class Sequence:
         arrival: int,
         cache_salt: str | None,
         num_groups: int,
+        columns: SequenceColumns | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.tenant = tenant
         self.tier = tier  # 0 is the most important tier; larger is evicted first
         self.arrival = arrival  # admission order; larger is newer, evicted first
         self.cache_salt = cache_salt
+        self._columns = columns if columns is not None else SequenceColumns(1)
+        # This sequence's index in the columns: unique among its manager's live sequences.
+        self.slot = self._columns.take(self)
         self.tokens = tokens
-        self.num_computed = 0  # tokens whose K/V are written
-        self.num_allocated = 0  # tokens with a slot: computed + allocated for the next step
+        self._columns.length[self.slot] = len(tokens)
+        self._columns.last_token[self.slot] = tokens[-1] if tokens else 0
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
-        self.table_version = 0  # bumped on every change of ``tables`` (for device-side caches)
-        self.num_blocks = 0
-        self.sliding_start = 0  # sliding groups hold no page below this block
         self.hashes: list[bytes] = []
         self.scope: Scope | None = None
-        self.state = KVState.WAITING
+        self._state = KVState.WAITING
         self.swapped_blocks: list[list[int]] | None = None  # per group, blocks copied out
         self.cached_tokens = 0  # tokens served from the prefix cache at the last start
+
+    @property
+    def state(self) -> KVState:
+        return self._state
+
+    @state.setter
+    def state(self, value: KVState) -> None:
+        self._state = value
+        self._columns.resident[self.slot] = value is KVState.RESIDENT
+
+    def extend_tokens(self, tokens: Iterable[int]) -> None:
+        """Known tokens grow (the manager's ``append_tokens``)."""
+        self.tokens.extend(tokens)
+        if self.tokens:
+            self._columns.length[self.slot] = len(self.tokens)
+            self._columns.last_token[self.slot] = self.tokens[-1]
+
+    def detach(self) -> None:
+        """Leave the manager's columns (the sequence is finished): keep the final
+        counters in a slot of its own, and give the shared slot back."""
+        shared, slot = self._columns, self.slot
+        self._columns, self.slot = DetachedColumns(shared, slot, self), 0
+        shared.release(slot)
 
     def __repr__(self) -> str:
         return (

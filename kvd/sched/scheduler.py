@@ -24,7 +24,7 @@ import bisect
 import enum
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,7 +87,6 @@ class Request:
     state: RequestState = RequestState.WAITING
     request_id: str
     tenant: str
-    last_token_at: float | None = None
     stop_length: int  # prompt + max_tokens, or the context: the sequence ends at this length
     prompt_len: int
     params: SamplingParams
@@ -213,6 +212,9 @@ class Scheduler:
         self._seq_ids = itertools.count(1)
         self._ttft: list[float] = []
         self._itl: list[float] = []
+        # When each sequence slot last received a token (NaN: none yet).
+        self._last_token_at = np.full(0, np.nan)
+        self._stop_ids = np.fromiter(sorted(engine.stop_ids), np.int64)
         self._queue: list[float] = []
         # Preemptions as they happen, (request id, tenant, kind), for the
         # daemon's logs; bounded, so a caller that never reads costs nothing.
@@ -370,9 +372,13 @@ class Scheduler:
         self.stalled = not work and self.preemptions == preempted and not events
         if not work:
             return events
-        batch = [(r.seq, n, r.params) for r, n in work if r.seq is not None]
-        tokens, logprobs, stopped = self.engine.step(batch)
-        self._record_tokens(work, tokens.tolist(), logprobs.tolist(), stopped.tolist(), events)
+        requests = [request for request, _ in work]
+        seqs: list[Sequence] = [request.seq for request in requests]  # type: ignore[misc]
+        slots = self.kv.slots_of(seqs)
+        tokens, logprobs, stopped = self.engine.run(
+            seqs, [n for _, n in work], [request.params for request in requests], slots
+        )
+        self._record_tokens(requests, seqs, slots, tokens, logprobs, stopped, events)
         return events
 
     def _add_running(self, request: Request) -> None:
@@ -388,10 +394,26 @@ class Scheduler:
 
     def _schedule_running(self, work: list[tuple[Request, int]], budget: int) -> int:
         max_seqs = self.engine.config.max_num_seqs
+        order = self._running_order.snapshot()
+        if len(order) <= max_seqs and len(order) <= budget:
+            # Every running request fits this step, so priority cannot decide who
+            # waits: the decodes whose next slot lies in a block they hold (most
+            # of them, most steps) are scheduled as one array operation, first;
+            # the rest (prefill chunks, block crossings) follow by priority with
+            # the budget left, and may preempt by policy.
+            slow = self.kv.extend_decodes([request.seq for request in order])  # type: ignore[misc]
+            fast = order
+            if slow:
+                needs_work = set(slow)
+                fast = [r for i, r in enumerate(order) if i not in needs_work]
+                order = [order[i] for i in slow]
+            else:
+                order = []
+            work += zip(fast, itertools.repeat(1))
+            budget -= len(fast)
         extend_in_place = self.kv.extend_in_place
         running = RequestState.RUNNING
-        # A snapshot: making room for one request may preempt others.
-        for request in self._running_order.snapshot():
+        for request in order:
             if budget <= 0 or len(work) >= max_seqs:
                 break
             if request.state is not running:
@@ -399,7 +421,6 @@ class Scheduler:
             seq = request.seq
             assert seq is not None
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            # Most steps, a decode's slot lies in a block it holds: no policy to run.
             if extend_in_place(seq, n) or self._ensure_pages(request, n, None, work):
                 work.append((request, n))
                 budget -= n
@@ -458,6 +479,8 @@ class Scheduler:
                     tier=request.tier,
                     cache_salt=request.cache_salt,
                 )
+                if request.seq.slot < len(self._last_token_at):
+                    self._last_token_at[request.seq.slot] = np.nan
             seq = request.seq
             hit = self.kv.lookup(seq)
             n = min(len(seq.tokens) - hit.num_tokens, budget)
@@ -563,51 +586,65 @@ class Scheduler:
 
     def _record_tokens(
         self,
-        work: list[tuple[Request, int]],
-        tokens: list[int],
-        logprobs: list[float],
-        stopped: list[bool],
+        requests: list[Request],
+        seqs: list[Sequence],
+        slots: np.ndarray[Any, Any],
+        tokens: np.ndarray[Any, Any],
+        logprobs: np.ndarray[Any, Any],
+        stopped: np.ndarray[Any, Any],
         events: list[StepEvent],
     ) -> None:
-        """Turn one step's sampled tokens into events, in one pass over the batch
-        (this runs for every running sequence every step)."""
+        """Turn one step's sampled tokens into events, as array operations over
+        the batch (this runs for every running sequence every step)."""
         now = self.clock()
-        stop_ids = self.engine.stop_ids
-        running = RequestState.RUNNING
-        itl, append_event = self._itl, events.append
-        served: dict[str, int] = {}
-        grown: list[tuple[Sequence, int]] = []
-        finished: list[tuple[Request, str]] = []
-        for (request, _), token, logprob, stop in zip(work, tokens, logprobs, stopped, strict=True):
-            seq = request.seq
-            if seq is None or request.state is not running:
-                continue
-            if seq.num_computed < len(seq.tokens):
-                continue  # a prefill chunk: nothing sampled yet
-            last = request.last_token_at
-            if last is None:
-                request.first_token_at = now
-                self._ttft.append(now - request.arrival)
-            else:
-                itl.append(now - last)
-            request.last_token_at = now
-            reason = None
-            if stop or token in stop_ids:
-                reason = "stop"
-            elif len(seq.tokens) + 1 >= request.stop_length:  # with this token
-                reason = "length"
-            append_event(StepEvent(request.request_id, token, logprob, reason is not None, reason))
-            tenant = request.tenant
-            served[tenant] = served.get(tenant, 0) + 1
-            grown.append((seq, token))  # a last token too: it is part of the output
-            if reason is not None:
-                finished.append((request, reason))
-        self.kv.append_decoded(grown)
-        for request, reason in finished:
-            self._finish(request, reason)
-        for tenant, count in served.items():  # fair share and counters, once per tenant
-            self.counters.charge(tenant, output_tokens=count)
+        kv = self.kv
+        columns = kv.columns.vectors
+        sampled = columns.computed[slots] == columns.length[slots]  # not a prefill chunk
+        if not sampled.all():
+            keep = np.flatnonzero(sampled)
+            requests = [requests[i] for i in keep.tolist()]
+            seqs = [seqs[i] for i in keep.tolist()]
+            slots, tokens, logprobs, stopped = slots[keep], tokens[keep], logprobs[keep], stopped[keep]
+        if not requests:
+            return
+        stop_length = np.fromiter([r.stop_length for r in requests], np.int64, len(requests))
+        by_stop = stopped | np.isin(tokens, self._stop_ids)
+        finished = by_stop | (columns.length[slots] + 1 >= stop_length)
+        self._observe_latency(requests, slots, now)
+        token_list = tokens.tolist()
+        kv.append_decoded(seqs, token_list, slots)  # a last token too: it is part of the output
+        reasons: list[str | None] = [None] * len(requests)
+        ends = np.flatnonzero(finished).tolist()
+        for i in ends:
+            reasons[i] = "stop" if by_stop[i] else "length"
+        events += map(
+            StepEvent,
+            [r.request_id for r in requests],
+            token_list,
+            logprobs.tolist(),
+            finished.tolist(),
+            reasons,
+        )
+        for i in ends:
+            self._finish(requests[i], reasons[i])  # type: ignore[arg-type]
+        for tenant, count in Counter([r.tenant for r in requests]).items():
+            self.counters.charge(tenant, output_tokens=count)  # fair share, once per tenant
             self.tenant_stats[tenant].completion_tokens += count
+
+    def _observe_latency(self, requests: list[Request], slots: np.ndarray[Any, Any], now: float) -> None:
+        """Time to first token and inter-token gaps, kept per sequence slot."""
+        if len(self._last_token_at) < self.kv.columns.capacity:
+            grown = np.full(self.kv.columns.capacity, np.nan)
+            grown[: len(self._last_token_at)] = self._last_token_at
+            self._last_token_at = grown
+        last = self._last_token_at[slots]
+        first = np.isnan(last)
+        for i in np.flatnonzero(first).tolist():
+            request = requests[i]
+            request.first_token_at = now
+            self._ttft.append(now - request.arrival)
+        self._itl += (now - last[~first]).tolist()
+        self._last_token_at[slots] = now
 
     def _finish(self, request: Request, reason: str) -> None:
         seq = request.seq
