@@ -17,6 +17,7 @@ import numpy as np
 
 from kvd.engine.model import StepBatch
 from kvd.engine.sampling import MAX_STOP_IDS, SamplingParams
+from kvd.kv.columns import Vectors
 from kvd.kv.layout import PageLayout
 from kvd.kv.sequence import Sequence
 
@@ -64,8 +65,7 @@ class SequenceRows:
         self.ints = np.zeros((1, SAMPLING_INTS), np.int32)
         self.floats = np.zeros((1, SAMPLING_FLOATS), np.float32)
         self.stamps = np.zeros(1, np.int64)  # the table version each row holds
-        self._sequences: list[Sequence | None] = [None]  # whose sampling row it is
-        self._params: list[SamplingParams | None] = [None]
+        self.serials = np.zeros(1, np.int64)  # the sequence whose sampling each row holds
         self._seeds = np.random.default_rng()
         self._grow(64)
 
@@ -82,9 +82,11 @@ class SequenceRows:
         stamps = np.full(rows, -1, np.int64)
         stamps[: len(self.stamps)] = self.stamps
         stamps[0] = 0
-        self.tables, self.ints, self.floats, self.stamps = tables, ints, floats, stamps
-        self._sequences += [None] * (capacity - self.capacity)
-        self._params += [None] * (capacity - self.capacity)
+        serials = np.full(rows, -1, np.int64)
+        serials[: len(self.serials)] = self.serials
+        serials[0] = 0
+        self.tables, self.ints, self.floats = tables, ints, floats
+        self.stamps, self.serials = stamps, serials
         self.capacity = capacity
 
     def prepare(
@@ -92,20 +94,22 @@ class SequenceRows:
         seqs: Seq[Sequence],
         slots: np.ndarray[Any, Any],
         params: Seq[SamplingParams | None],
-        versions: np.ndarray[Any, Any],
+        columns: Vectors,
     ) -> np.ndarray[Any, Any]:
-        """The rows of ``seqs`` (at column ``slots``, tables at ``versions``),
-        rewritten where stale."""
+        """The rows of ``seqs`` (at column ``slots``), rewritten where stale:
+        tables when their version moved, sampling when the row has a new
+        sequence (a sequence's parameters are read when it first runs)."""
         rows = slots + 1
         if len(rows) and int(rows.max()) > self.capacity:
             self._grow(max(2 * self.capacity, int(rows.max())))
+        versions = columns.table_version[slots]
         for i in np.flatnonzero(self.stamps[rows] != versions).tolist():
             self._write_tables(int(rows[i]), seqs[i], int(versions[i]))
-        sequences, known = self._sequences, self._params
-        for row, seq, p in zip(rows.tolist(), seqs, params, strict=True):
-            if (sequences[row] is not seq or known[row] is not p) and p is not None:
-                self._write_sampling(row, p)
-                sequences[row], known[row] = seq, p
+        serials = columns.serial[slots]
+        for i in np.flatnonzero(self.serials[rows] != serials).tolist():
+            if params[i] is not None:
+                self._write_sampling(int(rows[i]), params[i])  # type: ignore[arg-type]
+                self.serials[rows[i]] = serials[i]
         return rows
 
     def _write_tables(self, row: int, seq: Sequence, version: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as SeqOf
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -303,6 +304,9 @@ class Engine:
         return time.perf_counter() - start
 
     def _body_program(self, tokens: int, width: int) -> Any:
+        program = self._programs.get(("body", tokens, width))
+        if program is not None:  # every step after warm-up
+            return program
         size = sum(
             math.prod(shape)
             for shape in batch_shapes(
@@ -321,6 +325,9 @@ class Engine:
         )
 
     def _head_program(self, seqs: int) -> Any:
+        program = self._programs.get(("head", seqs, 0))
+        if program is not None:
+            return program
         ints = self._spec((seqs * SAMPLING_INTS,), jnp.int32)
         floats = self._spec((seqs * SAMPLING_FLOATS,), jnp.float32)
         return self._program(
@@ -342,11 +349,15 @@ class Engine:
         self,
         seqs: list[Sequence],
         counts: list[int],
-        params: list[SamplingParams],
+        params: SeqOf[SamplingParams],
         slots: np.ndarray[Any, Any] | None = None,
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """``step`` with the work as parallel lists (the scheduler's form);
-        ``slots``: the sequences' ``kv.slots_of``, if the caller has it."""
+        """``step`` with the work as parallel sequences (the scheduler's form);
+        ``slots``: the sequences' ``kv.slots_of``, if the caller has it.
+
+        A sequence's sampling parameters are read when it first runs (only
+        those entries of ``params`` are looked at) and kept for its life.
+        """
         count = len(seqs)
         if count > self.config.max_num_seqs:
             raise EngineError(f"{count} sequences exceed max_num_seqs {self.config.max_num_seqs}")
@@ -369,7 +380,7 @@ class Engine:
         width = bucket(int(columns.blocks[slots].max()), self.block_buckets)
         cache = self._rows
         rows = np.zeros(self.config.max_num_seqs, np.int64)
-        rows[:count] = cache.prepare(seqs, slots, params, columns.table_version[slots])
+        rows[:count] = cache.prepare(seqs, slots, params, columns)
         batch = assemble_step_batch(
             tokens,
             starts,

@@ -29,6 +29,7 @@ FIELDS = (
     "length",  # tokens known: the prompt and what was sampled
     "last_token",  # the last of them
     "resident",  # 1 while the sequence holds pages on the device
+    "serial",  # unique per sequence (a slot's next holder gets another)
 )
 
 
@@ -45,6 +46,7 @@ class Vectors:
     length: np.ndarray[Any, Any]
     last_token: np.ndarray[Any, Any]
     resident: np.ndarray[Any, Any]
+    serial: np.ndarray[Any, Any]
 
 
 class SequenceColumns:
@@ -56,6 +58,7 @@ class SequenceColumns:
     length: array[int]
     last_token: array[int]
     resident: array[int]
+    serial: array[int]
 
     def __init__(self, capacity: int = 64) -> None:
         self.capacity = 0

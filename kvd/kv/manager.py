@@ -202,6 +202,7 @@ class KVManager:
             self.columns,
         )
         seq.table_version = next(self._stamps)
+        self.columns.serial[seq.slot] = next(self._stamps)
         self.sequences[seq_id] = seq
         return seq
 
@@ -578,6 +579,39 @@ class KVManager:
             for i in np.flatnonzero(moved).tolist():
                 self._slide(seqs[i], self.first_needed_block(int(new[i])))
 
+    def grow_decodes(self, seqs: list[Sequence]) -> bool:
+        """A new block for each of ``seqs``, decodes whose next token starts one
+        (a decode step's 1 in ``block_size``), if the idle pages and every
+        tenant's budget allow all of them; otherwise change nothing and return
+        False (the caller then goes one by one, by priority, evicting by policy)."""
+        if not seqs:
+            return True
+        slots = self.slots_of(seqs)
+        vectors = self.columns.vectors
+        computed = vectors.computed[slots]
+        if not (
+            (vectors.resident[slots] == 1).all()
+            and (vectors.length[slots] == computed + 1).all()
+            and (computed == vectors.blocks[slots] * self.block_size).all()
+        ):
+            raise KVError("grow_decodes takes only decodes at a block boundary")
+        groups = self.num_groups
+        per_tenant: dict[str, int] = {}
+        for seq in seqs:
+            per_tenant[seq.tenant] = per_tenant.get(seq.tenant, 0) + groups
+        if len(seqs) * groups > self.pool.num_idle() or any(
+            pages > self.ledger.headroom(tenant) for tenant, pages in per_tenant.items()
+        ):
+            return False
+        take, stamps = self.pool.take, self._stamps
+        for seq in seqs:
+            for table, page in zip(seq.tables, take(seq.tenant, groups), strict=True):
+                table.append(page)
+            seq.table_version = next(stamps)
+        vectors.blocks[slots] += 1
+        vectors.allocated[slots] = computed + 1
+        return True
+
     def extend_decodes(self, seqs: list[Sequence]) -> list[int]:
         """``extend_in_place(seq, 1)`` for every sequence that is one token from
         done and has room for it in its last block; returns the indices of the
@@ -599,6 +633,14 @@ class KVManager:
         scope = seq.scope if seq.scope is not None else self._ensure_scope(seq)
         hashes = self._extend_hashes(seq, stop)
         register = self.pool.register
+        if not scope.public_matches:  # no public prefix in this chain: every page stays private
+            for block in range(start, stop):
+                key_hash = hashes[block]
+                for g, table in enumerate(seq.tables):
+                    page = table[block]
+                    if page:
+                        register(page, (g, key_hash), None)
+            return
         live = self.public.live_ids() if scope.public_blocks > start else frozenset()
         for block in range(start, stop):
             public = None

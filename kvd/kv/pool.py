@@ -96,6 +96,16 @@ class PagePool:
         """Remove one reference of ``account``; an unreferenced page becomes idle."""
         holders = self.holders[page]
         assert holders is not None and holders.get(account), (page, account)
+        if len(holders) == 1 and holders[account] == 1:  # the last reference (most drops)
+            self.holders[page] = None
+            self.ref[page] = 0
+            public = self.public[page] is not None
+            self.ledger.accounts[SHARED_ACCOUNT if public else account].used -= 1
+            if self.key[page] is None:
+                self.free.append(page)
+            else:
+                self.lru[page] = None
+            return
         payer = self.account_of(page)
         left = holders[account] - 1
         if left:

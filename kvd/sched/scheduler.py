@@ -133,6 +133,50 @@ class RunningOrder:
         return list(self._requests)
 
 
+class StepWork:
+    """What one step computes: requests, and how many tokens of each, in order."""
+
+    __slots__ = ("requests", "counts")
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.counts: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request, count: int) -> None:
+        self.requests.append(request)
+        self.counts.append(count)
+
+    def add_decodes(self, requests: list[Request]) -> None:
+        self.requests += requests
+        self.counts += [1] * len(requests)
+
+    def remove(self, request: Request) -> None:
+        for i, scheduled in enumerate(self.requests):
+            if scheduled is request:
+                del self.requests[i]
+                del self.counts[i]
+                return
+
+
+class ParamsOf:
+    """The sampling parameters of ``requests``, read only where the engine needs
+    them (a sequence's first step): a decode step does not touch 256 of them."""
+
+    __slots__ = ("_requests",)
+
+    def __init__(self, requests: list[Request]) -> None:
+        self._requests = requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __getitem__(self, index: int) -> SamplingParams:
+        return self._requests[index].params
+
+
 class StepEvent(msgspec.Struct, frozen=True):
     request_id: str
     token: int | None  # None for an event without a token (rejection, cancel)
@@ -361,7 +405,7 @@ class Scheduler:
         self.steps += 1
         events: list[StepEvent] = []
         self._expire(now, events)
-        work: list[tuple[Request, int]] = []
+        work = StepWork()
         budget = self.engine.config.max_num_batched_tokens
         preempted = self.preemptions
         budget = self._schedule_running(work, budget)
@@ -372,11 +416,11 @@ class Scheduler:
         self.stalled = not work and self.preemptions == preempted and not events
         if not work:
             return events
-        requests = [request for request, _ in work]
+        requests = work.requests
         seqs: list[Sequence] = [request.seq for request in requests]  # type: ignore[misc]
         slots = self.kv.slots_of(seqs)
         tokens, logprobs, stopped = self.engine.run(
-            seqs, [n for _, n in work], [request.params for request in requests], slots
+            seqs, work.counts, ParamsOf(requests), slots
         )
         self._record_tokens(requests, seqs, slots, tokens, logprobs, stopped, events)
         return events
@@ -392,7 +436,7 @@ class Scheduler:
     def _order(self, requests: list[Request]) -> list[Request]:
         return sorted(requests, key=lambda r: (r.tier, r.arrival))
 
-    def _schedule_running(self, work: list[tuple[Request, int]], budget: int) -> int:
+    def _schedule_running(self, work: StepWork, budget: int) -> int:
         max_seqs = self.engine.config.max_num_seqs
         order = self._running_order.snapshot()
         if len(order) <= max_seqs and len(order) <= budget:
@@ -404,12 +448,16 @@ class Scheduler:
             slow = self.kv.extend_decodes([request.seq for request in order])  # type: ignore[misc]
             fast = order
             if slow:
-                needs_work = set(slow)
-                fast = [r for i, r in enumerate(order) if i not in needs_work]
-                order = [order[i] for i in slow]
+                rest = [order[i] for i in slow]
+                if self._grow_decodes(rest):
+                    order = []  # all were decodes into a new block, and the pages were there
+                else:
+                    needs_work = set(slow)
+                    fast = [r for i, r in enumerate(order) if i not in needs_work]
+                    order = rest
             else:
                 order = []
-            work += zip(fast, itertools.repeat(1))
+            work.add_decodes(fast)
             budget -= len(fast)
         extend_in_place = self.kv.extend_in_place
         running = RequestState.RUNNING
@@ -422,11 +470,26 @@ class Scheduler:
             assert seq is not None
             n = min(len(seq.tokens) - seq.num_computed, budget)
             if extend_in_place(seq, n) or self._ensure_pages(request, n, None, work):
-                work.append((request, n))
+                work.add(request, n)
                 budget -= n
         return budget
 
-    def _swap_in(self, work: list[tuple[Request, int]], budget: int) -> int:
+    def _grow_decodes(self, requests: list[Request]) -> bool:
+        """A new block each for ``requests`` at once, if all are decodes at a block
+        boundary and the pages are idle and within budget: nobody competes, so
+        the priority order would not change the outcome."""
+        bs = self.kv.block_size
+        seqs = []
+        for request in requests:
+            seq = request.seq
+            assert seq is not None
+            computed = seq.num_computed
+            if len(seq.tokens) != computed + 1 or computed != seq.num_blocks * bs:
+                return False
+            seqs.append(seq)
+        return self.kv.grow_decodes(seqs)
+
+    def _swap_in(self, work: StepWork, budget: int) -> int:
         for request in self._order(list(self.swapped.values())):
             seq = request.seq
             if budget <= 0 or len(work) >= self.engine.config.max_num_seqs or seq is None:
@@ -446,7 +509,7 @@ class Scheduler:
             self._add_running(request)
             n = min(len(seq.tokens) - seq.num_computed, budget)
             if self._ensure_pages(request, n, None, work):
-                work.append((request, n))
+                work.add(request, n)
                 budget -= n
         return budget
 
@@ -465,7 +528,7 @@ class Scheduler:
             return min((self.queues[t][0] for t in tenants), key=lambda r: r.arrival)
         return self.queues[self.counters.order(tenants)[0]][0]
 
-    def _admit(self, work: list[tuple[Request, int]], budget: int, now: float) -> None:
+    def _admit(self, work: StepWork, budget: int, now: float) -> None:
         blocked: set[str] = set()
         while budget > 0 and len(work) < self.engine.config.max_num_seqs:
             request = self._next_waiting(blocked)
@@ -501,7 +564,7 @@ class Scheduler:
             if not request.charged_input:
                 self.counters.charge(request.tenant, input_tokens=len(request.prompt))
                 request.charged_input = True
-            work.append((request, n))
+            work.add(request, n)
             budget -= n
 
     def _count_prefix_hit(self, hit: PrefixHit) -> None:
@@ -515,7 +578,7 @@ class Scheduler:
         counts[2] += served
 
     def _ensure_pages(
-        self, request: Request, n: int, hit: PrefixHit | None, work: list[tuple[Request, int]]
+        self, request: Request, n: int, hit: PrefixHit | None, work: StepWork
     ) -> bool:
         """Allocate pages for ``n`` more tokens, preempting by policy if needed."""
         seq = request.seq
@@ -553,13 +616,10 @@ class Scheduler:
         recompute = self.rates.recompute_s(seq.num_computed)
         return "swap" if self.rates.swap_s(pages) < recompute else "recompute"
 
-    def _preempt(self, request: Request, work: list[tuple[Request, int]]) -> None:
+    def _preempt(self, request: Request, work: StepWork) -> None:
         seq = request.seq
         assert seq is not None
-        for i, (scheduled, _) in enumerate(work):
-            if scheduled is request:
-                del work[i]
-                break
+        work.remove(request)
         kind = self.preemption_kind(seq)
         stats = self.tenant_stats[request.tenant]
         self._remove_running(request)

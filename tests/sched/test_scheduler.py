@@ -13,6 +13,7 @@ from kvd.sched.scheduler import (
     RequestState,
     Scheduler,
     SchedulerConfig,
+    StepWork,
     TenantConfig,
 )
 from tests.sched.conftest import MakeEngine
@@ -85,7 +86,7 @@ def test_preemption_is_invisible(engine, kind: str, when: str) -> None:  # type:
             assert request.state is RequestState.RUNNING
             if when == "mid-prefill":
                 assert request.seq is not None and request.seq.num_computed < len(ids)
-            scheduler._preempt(request, [])
+            scheduler._preempt(request, StepWork())
             scheduler.kv.check_invariants()
             expected_state = RequestState.SWAPPED if kind == "swap" else RequestState.WAITING
             assert request.state is expected_state
