@@ -17,7 +17,6 @@ import numpy as np
 
 from kvd.engine.model import StepBatch
 from kvd.engine.sampling import MAX_STOP_IDS, SamplingParams
-from kvd.kv.columns import Vectors
 from kvd.kv.layout import PageLayout
 from kvd.kv.sequence import Sequence
 
@@ -94,18 +93,18 @@ class SequenceRows:
         seqs: Seq[Sequence],
         slots: np.ndarray[Any, Any],
         params: Seq[SamplingParams | None],
-        columns: Vectors,
+        versions: np.ndarray[Any, Any],
+        serials: np.ndarray[Any, Any],
     ) -> np.ndarray[Any, Any]:
-        """The rows of ``seqs`` (at column ``slots``), rewritten where stale:
-        tables when their version moved, sampling when the row has a new
-        sequence (a sequence's parameters are read when it first runs)."""
+        """The rows of ``seqs`` (at column ``slots``; their tables' ``versions``,
+        their ``serials``), rewritten where stale: tables when their version
+        moved, sampling when the row has a new sequence (a sequence's
+        parameters are read when it first runs)."""
         rows = slots + 1
         if len(rows) and int(rows.max()) > self.capacity:
             self._grow(max(2 * self.capacity, int(rows.max())))
-        versions = columns.table_version[slots]
         for i in np.flatnonzero(self.stamps[rows] != versions).tolist():
             self._write_tables(int(rows[i]), seqs[i], int(versions[i]))
-        serials = columns.serial[slots]
         for i in np.flatnonzero(self.serials[rows] != serials).tolist():
             if params[i] is not None:
                 self._write_sampling(int(rows[i]), params[i])  # type: ignore[arg-type]
@@ -209,6 +208,41 @@ def assemble_step_batch(
         tables=tables,
         sample_index=sample_index,
     )
+
+
+def pack_decode_step(
+    tokens: np.ndarray[Any, Any],
+    starts: np.ndarray[Any, Any],
+    tables: np.ndarray[Any, Any],
+    block_size: int,
+    num_tokens: int,
+) -> np.ndarray[Any, Any]:
+    """``pack(assemble_step_batch(...))`` for a step of decodes only (one token
+    per sequence, sequence i's at row i), written straight into the flat buffer.
+
+    Every step runs this, right after the model call has flushed the CPU's
+    caches, when each numpy call costs several times its usual fixed price: so
+    it makes as few as it can.
+    """
+    groups, num_seqs, width = tables.shape
+    count = len(starts)
+    t = num_tokens
+    flat = np.zeros(4 * t + groups * t + groups * num_seqs * width + num_seqs, np.int32)
+    rows = np.arange(count, dtype=np.int32)
+    flat[:count] = tokens  # tokens
+    flat[t : t + count] = starts  # positions
+    if count < num_seqs:
+        flat[2 * t + count : 3 * t] = count  # padding reads the null row after the last
+    flat[2 * t : 2 * t + count] = rows  # seq_index
+    pages = flat[3 * t : 3 * t + groups * t].reshape(groups, t)
+    pages[:, :count] = tables[:, rows, starts // block_size]  # write_pages
+    at = 3 * t + groups * t
+    flat[at : at + count] = starts % block_size  # write_offsets
+    at += t
+    flat[at : at + tables.size] = tables.ravel()
+    at += tables.size
+    flat[at : at + count] = rows  # sample_index
+    return flat
 
 
 def pack(arrays: Iterable[Any]) -> np.ndarray[Any, Any]:

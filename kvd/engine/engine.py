@@ -30,6 +30,7 @@ from kvd.engine.batching import (
     batch_shapes,
     bucket,
     assemble_step_batch,
+    pack_decode_step,
     pack,
     powers_of_two,
     unpack,
@@ -37,6 +38,7 @@ from kvd.engine.batching import (
 from kvd.engine.loader import LoadedModel
 from kvd.engine.model import EngineSpec, Params, StepBatch, body, head, prepare_params
 from kvd.engine.sampling import SamplingBatch, SamplingParams, sample
+from kvd.kv.columns import BLOCKS, COMPUTED, LAST_TOKEN, LENGTH, SERIAL, TABLE_VERSION
 from kvd.kv.layout import build_layout
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
@@ -351,9 +353,11 @@ class Engine:
         counts: list[int],
         params: SeqOf[SamplingParams],
         slots: np.ndarray[Any, Any] | None = None,
+        block: np.ndarray[Any, Any] | None = None,
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         """``step`` with the work as parallel sequences (the scheduler's form);
-        ``slots``: the sequences' ``kv.slots_of``, if the caller has it.
+        ``slots``: the sequences' ``kv.slots_of`` and ``block`` their columns
+        (``kv.columns.matrix[:, slots]``), if the caller has them.
 
         A sequence's sampling parameters are read when it first runs (only
         those entries of ``params`` are looked at) and kept for its life.
@@ -363,36 +367,35 @@ class Engine:
             raise EngineError(f"{count} sequences exceed max_num_seqs {self.config.max_num_seqs}")
         if slots is None:
             slots = self.kv.slots_of(seqs)
-        columns = self.kv.columns.vectors
-        starts = columns.computed[slots]
+        if block is None:
+            block = self.kv.columns.matrix[:, slots]
+        starts = block[COMPUTED]
         total = sum(counts)
-        tokens: Any
-        if total == count and (columns.length[slots] == starts + 1).all():
-            tokens = columns.last_token[slots]  # decodes: each computes its newest token
+        decodes = total == count and bool((block[LENGTH] == starts + 1).all())
+        tokens_bucket = bucket(total, self.token_buckets)
+        seqs_bucket = bucket(count, self.seq_buckets)
+        width = bucket(int(block[BLOCKS].max()), self.block_buckets)
+        cache = self._rows
+        rows = np.zeros(self.config.max_num_seqs, np.int64)
+        rows[:count] = cache.prepare(seqs, slots, params, block[TABLE_VERSION], block[SERIAL])
+        tables = cache.tables[:, rows, :width]
+        if decodes:  # each computes its newest token: the most common step by far
+            flat = pack_decode_step(
+                block[LAST_TOKEN], starts, tables, self.layout.block_size, tokens_bucket
+            )
+            ends = starts + 1
         else:
             tokens = [
                 t
                 for seq, start, n in zip(seqs, starts.tolist(), counts, strict=True)
                 for t in seq.tokens[start : start + n]
             ]
-        tokens_bucket = bucket(total, self.token_buckets)
-        seqs_bucket = bucket(count, self.seq_buckets)
-        width = bucket(int(columns.blocks[slots].max()), self.block_buckets)
-        cache = self._rows
-        rows = np.zeros(self.config.max_num_seqs, np.int64)
-        rows[:count] = cache.prepare(seqs, slots, params, columns)
-        batch = assemble_step_batch(
-            tokens,
-            starts,
-            counts,
-            cache.tables[:, rows, :width],
-            self.layout.block_size,
-            tokens_bucket,
-        )
-        ints, floats = cache.sampling(
-            rows[:seqs_bucket], batch.positions[batch.sample_index[:count]] + 1
-        )
-        flat = pack(batch)
+            batch = assemble_step_batch(
+                tokens, starts, counts, tables, self.layout.block_size, tokens_bucket
+            )
+            flat = pack(batch)
+            ends = batch.positions[batch.sample_index[:count]] + 1
+        ints, floats = cache.sampling(rows[:seqs_bucket], ends)
         body_program = self._body_program(tokens_bucket, width)
         head_program = self._head_program(seqs_bucket)
         started = time.perf_counter()
@@ -402,7 +405,10 @@ class Engine:
         )
         sampled, logprobs, stopped = np.asarray(sampled), np.asarray(logprobs), np.asarray(stopped)
         self.device_seconds += time.perf_counter() - started
-        self.kv.commit_batch(seqs, counts, slots)
+        if decodes:
+            self.kv.commit_decodes(seqs, slots, block)
+        else:
+            self.kv.commit_batch(seqs, counts, slots)
         return sampled[:count], logprobs[:count], stopped[:count]
 
     # -- one-shot generation ---------------------------------------------------------

@@ -49,23 +49,29 @@ class Vectors:
     serial: np.ndarray[Any, Any]
 
 
+COMPUTED, ALLOCATED, BLOCKS, SLIDING_START, TABLE_VERSION, LENGTH, LAST_TOKEN, RESIDENT, SERIAL = (
+    range(len(FIELDS))
+)
+
+
 class SequenceColumns:
-    computed: array[int]
-    allocated: array[int]
-    blocks: array[int]
-    sliding_start: array[int]
-    table_version: array[int]
-    length: array[int]
-    last_token: array[int]
-    resident: array[int]
-    serial: array[int]
+    """The columns of live sequences: ``matrix[field, slot]``, with ``FIELDS``
+    as rows (one gather fetches every counter of a step's sequences)."""
 
     def __init__(self, capacity: int = 64) -> None:
         self.capacity = 0
         self.owner: list[object | None] = []  # slot -> the sequence holding it
         self._free: list[int] = []
+        self.cells = array("q")  # field f of slot s at f * capacity + s
+        self.matrix: np.ndarray[Any, Any] = np.zeros((len(FIELDS), 0), np.int64)
         self.vectors = Vectors()
         self._grow(max(1, capacity))
+
+    def get(self, field: int, slot: int) -> int:
+        return self.cells[field * self.capacity + slot]
+
+    def set(self, field: int, slot: int, value: int) -> None:
+        self.cells[field * self.capacity + slot] = value
 
     def take(self, owner: object) -> int:
         """A slot for a new sequence, its counters zero."""
@@ -73,8 +79,7 @@ class SequenceColumns:
             self._grow(self.capacity * 2)
         slot = self._free.pop()
         self.owner[slot] = owner
-        for name in FIELDS:
-            self.__dict__[name][slot] = 0
+        self.matrix[:, slot] = 0
         return slot
 
     def release(self, slot: int) -> None:
@@ -86,13 +91,12 @@ class SequenceColumns:
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity
-        for name in FIELDS:
-            column = array("q", bytes(8 * capacity))
-            previous = self.__dict__.get(name)
-            if previous is not None:
-                column[:old] = previous
-            self.__dict__[name] = column
-            setattr(self.vectors, name, np.frombuffer(column, np.int64))
+        cells = array("q", bytes(8 * len(FIELDS) * capacity))
+        matrix = np.frombuffer(cells, np.int64).reshape(len(FIELDS), capacity)
+        matrix[:, :old] = self.matrix
+        self.cells, self.matrix = cells, matrix
+        for field, name in enumerate(FIELDS):
+            setattr(self.vectors, name, matrix[field])
         self.owner.extend([None] * (capacity - old))
         self._free.extend(range(capacity - 1, old - 1, -1))  # pop() takes low slots first
         self.capacity = capacity
@@ -105,5 +109,4 @@ class DetachedColumns(SequenceColumns):
     def __init__(self, source: SequenceColumns, slot: int, owner: object) -> None:
         super().__init__(1)
         self.take(owner)
-        for name in FIELDS:
-            self.__dict__[name][0] = source.__dict__[name][slot]
+        self.matrix[:, 0] = source.matrix[:, slot]

@@ -34,7 +34,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvd.kv.columns import SequenceColumns
+from kvd.kv.columns import (
+    ALLOCATED,
+    COMPUTED,
+    LAST_TOKEN,
+    LENGTH,
+    RESIDENT,
+    SERIAL,
+    SLIDING_START,
+    SequenceColumns,
+)
 from kvd.kv.geometry import AttentionKind
 from kvd.kv.layout import PageLayout
 from kvd.kv.ledger import BudgetMode, Ledger, TenantBudget
@@ -202,7 +211,7 @@ class KVManager:
             self.columns,
         )
         seq.table_version = next(self._stamps)
-        self.columns.serial[seq.slot] = next(self._stamps)
+        self.columns.set(SERIAL, seq.slot, next(self._stamps))
         self.sequences[seq_id] = seq
         return seq
 
@@ -216,16 +225,23 @@ class KVManager:
         seq.extend_tokens(tokens)
 
     def append_decoded(
-        self, seqs: list[Sequence], tokens: list[int], slots: np.ndarray[Any, Any] | None = None
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        slots: np.ndarray[Any, Any] | None = None,
+        lengths: np.ndarray[Any, Any] | None = None,
     ) -> None:
         """One sampled token for each of ``seqs`` (``append_tokens`` for a whole
-        step). ``slots``: their ``slots_of``, if the caller has it from this step."""
+        step). ``slots`` and ``lengths`` (their ``slots_of`` and token counts),
+        if the caller has them from this step."""
         if slots is None:
             slots = self.slots_of(seqs)
+        if lengths is None:
+            lengths = self.columns.matrix[LENGTH, slots]
         deque(map(list.append, [seq.tokens for seq in seqs], tokens), maxlen=0)
-        vectors = self.columns.vectors
-        vectors.length[slots] += 1
-        vectors.last_token[slots] = tokens
+        matrix = self.columns.matrix
+        matrix[LENGTH, slots] = lengths + 1
+        matrix[LAST_TOKEN, slots] = tokens
 
     def slots_of(self, seqs: list[Sequence]) -> np.ndarray[Any, Any]:
         """The column slots of live sequences of this manager (KVError otherwise)."""
@@ -579,6 +595,28 @@ class KVManager:
             for i in np.flatnonzero(moved).tolist():
                 self._slide(seqs[i], self.first_needed_block(int(new[i])))
 
+    def commit_decodes(
+        self, seqs: list[Sequence], slots: np.ndarray[Any, Any], block: np.ndarray[Any, Any]
+    ) -> None:
+        """``commit_batch`` of one token each, for ``seqs`` at ``slots`` whose
+        columns before the step are ``block`` (``columns.matrix[:, slots]``)."""
+        computed = block[COMPUTED]
+        new = computed + 1
+        if (
+            bool(((block[RESIDENT] != 1) | (new > block[ALLOCATED])).any())
+            or len(set(slots.tolist())) != len(seqs)
+        ):
+            self.commit_batch(seqs, [1] * len(seqs), slots)  # raises the precise error
+            return
+        self.columns.matrix[COMPUTED, slots] = new
+        bs = self.block_size
+        for i in np.flatnonzero(new % bs == 0).tolist():
+            self._register_blocks(seqs[i], int(computed[i]) // bs, int(new[i]) // bs)
+        if self.window is not None:
+            moved = new - self.window + 1 >= (block[SLIDING_START] + 1) * bs
+            for i in np.flatnonzero(moved).tolist():
+                self._slide(seqs[i], self.first_needed_block(int(new[i])))
+
     def grow_decodes(self, seqs: list[Sequence]) -> bool:
         """A new block for each of ``seqs``, decodes whose next token starts one
         (a decode step's 1 in ``block_size``), if the idle pages and every
@@ -768,6 +806,7 @@ class KVManager:
         assert columns.live() == len(self.sequences)
         for seq in self.sequences.values():
             assert columns.owner[seq.slot] is seq, seq
-            assert columns.length[seq.slot] == len(seq.tokens), seq
-            assert columns.last_token[seq.slot] == (seq.tokens[-1] if seq.tokens else 0), seq
-            assert columns.resident[seq.slot] == (seq.state is KVState.RESIDENT), seq
+            assert columns.get(LENGTH, seq.slot) == len(seq.tokens), seq
+            last = seq.tokens[-1] if seq.tokens else 0
+            assert columns.get(LAST_TOKEN, seq.slot) == last, seq
+            assert columns.get(RESIDENT, seq.slot) == (seq.state is KVState.RESIDENT), seq

@@ -5,7 +5,18 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from kvd.kv.columns import DetachedColumns, SequenceColumns
+from kvd.kv.columns import (
+    ALLOCATED,
+    BLOCKS,
+    COMPUTED,
+    LAST_TOKEN,
+    LENGTH,
+    RESIDENT,
+    SLIDING_START,
+    TABLE_VERSION,
+    DetachedColumns,
+    SequenceColumns,
+)
 from kvd.kv.scope import Scope
 
 
@@ -17,14 +28,16 @@ class KVState(enum.Enum):
     RELEASED = "released"  # removed from the manager
 
 
-def _column(name: str, doc: str) -> property:
+def _column(field: int, doc: str) -> property:
     """A Sequence attribute stored in its slot of the manager's columns."""
 
     def get(seq: Sequence) -> int:
-        return seq._columns.__dict__[name][seq.slot]  # type: ignore[no-any-return]
+        columns = seq._columns
+        return columns.cells[field * columns.capacity + seq.slot]
 
     def put(seq: Sequence, value: int) -> None:
-        seq._columns.__dict__[name][seq.slot] = value
+        columns = seq._columns
+        columns.cells[field * columns.capacity + seq.slot] = value
 
     return property(get, put, doc=doc)
 
@@ -58,14 +71,14 @@ class Sequence:
         "cached_tokens",
     )
 
-    num_computed = _column("computed", "tokens whose K/V are written")
+    num_computed = _column(COMPUTED, "tokens whose K/V are written")
     num_allocated = _column(
-        "allocated", "tokens with a slot: computed + allocated for the next step"
+        ALLOCATED, "tokens with a slot: computed + allocated for the next step"
     )
-    num_blocks = _column("blocks", "entries in each of ``tables``")
-    sliding_start = _column("sliding_start", "sliding groups hold no page below this block")
+    num_blocks = _column(BLOCKS, "entries in each of ``tables``")
+    sliding_start = _column(SLIDING_START, "sliding groups hold no page below this block")
     table_version = _column(
-        "table_version", "a fresh stamp on every change of ``tables`` (for device-side caches)"
+        TABLE_VERSION, "a fresh stamp on every change of ``tables`` (for device-side caches)"
     )
 
     def __init__(
@@ -88,8 +101,8 @@ class Sequence:
         # This sequence's index in the columns: unique among its manager's live sequences.
         self.slot = self._columns.take(self)
         self.tokens = tokens
-        self._columns.length[self.slot] = len(tokens)
-        self._columns.last_token[self.slot] = tokens[-1] if tokens else 0
+        self._columns.set(LENGTH, self.slot, len(tokens))
+        self._columns.set(LAST_TOKEN, self.slot, tokens[-1] if tokens else 0)
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.hashes: list[bytes] = []
         self.scope: Scope | None = None
@@ -104,14 +117,14 @@ class Sequence:
     @state.setter
     def state(self, value: KVState) -> None:
         self._state = value
-        self._columns.resident[self.slot] = value is KVState.RESIDENT
+        self._columns.set(RESIDENT, self.slot, value is KVState.RESIDENT)
 
     def extend_tokens(self, tokens: Iterable[int]) -> None:
         """Known tokens grow (the manager's ``append_tokens``)."""
         self.tokens.extend(tokens)
         if self.tokens:
-            self._columns.length[self.slot] = len(self.tokens)
-            self._columns.last_token[self.slot] = self.tokens[-1]
+            self._columns.set(LENGTH, self.slot, len(self.tokens))
+            self._columns.set(LAST_TOKEN, self.slot, self.tokens[-1])
 
     def detach(self) -> None:
         """Leave the manager's columns (the sequence is finished): keep the final

@@ -35,6 +35,7 @@ import numpy as np
 from kvd.engine.engine import Engine
 from kvd.engine.sampling import SamplingParams
 from kvd.kv.eviction import plan_eviction
+from kvd.kv.columns import COMPUTED, LENGTH
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import PrefixHit
 from kvd.kv.scope import SharingPolicy
@@ -258,7 +259,8 @@ class Scheduler:
         self._itl: list[float] = []
         # When each sequence slot last received a token (NaN: none yet).
         self._last_token_at = np.full(0, np.nan)
-        self._stop_ids = np.fromiter(sorted(engine.stop_ids), np.int64)
+        self._is_stop = np.zeros(engine.model.config.vocab_size, np.bool_)  # by token id
+        self._is_stop[sorted(engine.stop_ids)] = True
         self._queue: list[float] = []
         # Preemptions as they happen, (request id, tenant, kind), for the
         # daemon's logs; bounded, so a caller that never reads costs nothing.
@@ -419,10 +421,11 @@ class Scheduler:
         requests = work.requests
         seqs: list[Sequence] = [request.seq for request in requests]  # type: ignore[misc]
         slots = self.kv.slots_of(seqs)
+        block = self.kv.columns.matrix[:, slots]  # the step's counters, gathered once
         tokens, logprobs, stopped = self.engine.run(
-            seqs, work.counts, ParamsOf(requests), slots
+            seqs, work.counts, ParamsOf(requests), slots, block
         )
-        self._record_tokens(requests, seqs, slots, tokens, logprobs, stopped, events)
+        self._record_tokens(work, seqs, slots, block, tokens, logprobs, stopped, events)
         return events
 
     def _add_running(self, request: Request) -> None:
@@ -646,33 +649,37 @@ class Scheduler:
 
     def _record_tokens(
         self,
-        requests: list[Request],
+        work: StepWork,
         seqs: list[Sequence],
         slots: np.ndarray[Any, Any],
+        block: np.ndarray[Any, Any],
         tokens: np.ndarray[Any, Any],
         logprobs: np.ndarray[Any, Any],
         stopped: np.ndarray[Any, Any],
         events: list[StepEvent],
     ) -> None:
         """Turn one step's sampled tokens into events, as array operations over
-        the batch (this runs for every running sequence every step)."""
+        the batch (this runs for every running sequence every step). ``block``
+        holds the sequences' columns from before the step."""
         now = self.clock()
-        kv = self.kv
-        columns = kv.columns.vectors
-        sampled = columns.computed[slots] == columns.length[slots]  # not a prefill chunk
+        requests = work.requests
+        length = block[LENGTH]
+        sampled = block[COMPUTED] + np.asarray(work.counts) == length  # not a prefill chunk
         if not sampled.all():
             keep = np.flatnonzero(sampled)
             requests = [requests[i] for i in keep.tolist()]
             seqs = [seqs[i] for i in keep.tolist()]
-            slots, tokens, logprobs, stopped = slots[keep], tokens[keep], logprobs[keep], stopped[keep]
+            slots, length = slots[keep], length[keep]
+            tokens, logprobs, stopped = tokens[keep], logprobs[keep], stopped[keep]
         if not requests:
             return
         stop_length = np.fromiter([r.stop_length for r in requests], np.int64, len(requests))
-        by_stop = stopped | np.isin(tokens, self._stop_ids)
-        finished = by_stop | (columns.length[slots] + 1 >= stop_length)
+        by_stop = stopped | self._is_stop[tokens]
+        finished = by_stop | (length >= stop_length - 1)  # with this token
         self._observe_latency(requests, slots, now)
         token_list = tokens.tolist()
-        kv.append_decoded(seqs, token_list, slots)  # a last token too: it is part of the output
+        # A last token too: it is part of the output.
+        self.kv.append_decoded(seqs, token_list, slots, length)
         reasons: list[str | None] = [None] * len(requests)
         ends = np.flatnonzero(finished).tolist()
         for i in ends:
@@ -691,7 +698,9 @@ class Scheduler:
             self.counters.charge(tenant, output_tokens=count)  # fair share, once per tenant
             self.tenant_stats[tenant].completion_tokens += count
 
-    def _observe_latency(self, requests: list[Request], slots: np.ndarray[Any, Any], now: float) -> None:
+    def _observe_latency(
+        self, requests: list[Request], slots: np.ndarray[Any, Any], now: float
+    ) -> None:
         """Time to first token and inter-token gaps, kept per sequence slot."""
         if len(self._last_token_at) < self.kv.columns.capacity:
             grown = np.full(self.kv.columns.capacity, np.nan)
@@ -699,11 +708,13 @@ class Scheduler:
             self._last_token_at = grown
         last = self._last_token_at[slots]
         first = np.isnan(last)
-        for i in np.flatnonzero(first).tolist():
-            request = requests[i]
-            request.first_token_at = now
-            self._ttft.append(now - request.arrival)
-        self._itl += (now - last[~first]).tolist()
+        if first.any():
+            for i in np.flatnonzero(first).tolist():
+                request = requests[i]
+                request.first_token_at = now
+                self._ttft.append(now - request.arrival)
+            last = last[~first]
+        self._itl += (now - last).tolist()
         self._last_token_at[slots] = now
 
     def _finish(self, request: Request, reason: str) -> None:
