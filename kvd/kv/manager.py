@@ -7,6 +7,8 @@ It is sans-IO and synchronous. The scheduler drives it per step::
         kv.allocate(seq, n, hit)              # commit: pages referenced and charged
     ... engine step writes K/V for those n tokens ...
     kv.commit(seq, n)                         # full blocks cached, windows slide
+                                              # (decode steps: cached when the sequence
+                                              # releases its pages)
     kv.append_tokens(seq, [sampled])
     kv.finish(seq)                            # pages back to the pool
 
@@ -280,10 +282,12 @@ class KVManager:
         seq.num_blocks = 0
         seq.num_computed = seq.num_allocated = 0
         seq.sliding_start = 0
+        seq.registered = 0
         seq.swapped_blocks = None
         seq.state = KVState.WAITING
 
     def _drop_all(self, seq: Sequence) -> None:
+        self._register_pending(seq)  # what decode steps filled stays findable
         drop, tenant = self.pool.drop, seq.tenant
         held_blocks = len(seq.tables[0])  # 0 once swapped out, num_blocks otherwise
         for block in range(held_blocks - 1, -1, -1):
@@ -531,6 +535,7 @@ class KVManager:
         seq.table_version = next(self._stamps)
         seq.num_computed = seq.num_allocated = seq.cached_tokens = hit.num_tokens
         seq.sliding_start = hit.sliding_start
+        seq.registered = hit.num_blocks
         self.prefix_hit_tokens += hit.num_tokens
         name = hit.scope.public_prefix
         if name is not None and name in self.public:
@@ -552,8 +557,8 @@ class KVManager:
             raise KVError(f"cannot commit {num_tokens} tokens to sequence {seq.seq_id}")
         seq.num_computed = new
         bs = self.block_size
-        if new // bs > old // bs:
-            self._register_blocks(seq, old // bs, new // bs)
+        if new // bs > seq.registered:
+            self._register_blocks(seq, seq.registered, new // bs)
         if self.window is not None and new - self.window + 1 >= (seq.sliding_start + 1) * bs:
             self._slide(seq, self.first_needed_block(new))
 
@@ -589,7 +594,8 @@ class KVManager:
         vectors.computed[slots] = new
         bs = self.block_size
         for i in np.flatnonzero(new // bs > old // bs).tolist():
-            self._register_blocks(seqs[i], int(old[i]) // bs, int(new[i]) // bs)
+            seq = seqs[i]
+            self._register_blocks(seq, seq.registered, int(new[i]) // bs)
         if self.window is not None:
             moved = new - self.window + 1 >= (vectors.sliding_start[slots] + 1) * bs
             for i in np.flatnonzero(moved).tolist():
@@ -609,9 +615,11 @@ class KVManager:
             self.commit_batch(seqs, [1] * len(seqs), slots)  # raises the precise error
             return
         self.columns.matrix[COMPUTED, slots] = new
+        # The blocks decodes fill enter the prefix cache when the sequence lets go
+        # of its pages (``_drop_all``), as SGLang inserts a request's output when
+        # it finishes: hashing and indexing one block per sequence every
+        # ``block_size`` steps would be a large share of a decode step's host time.
         bs = self.block_size
-        for i in np.flatnonzero(new % bs == 0).tolist():
-            self._register_blocks(seqs[i], int(computed[i]) // bs, int(new[i]) // bs)
         if self.window is not None:
             moved = new - self.window + 1 >= (block[SLIDING_START] + 1) * bs
             for i in np.flatnonzero(moved).tolist():
@@ -667,7 +675,14 @@ class KVManager:
         vectors.allocated[slots[fits]] = computed[fits] + 1
         return np.flatnonzero(~fits).tolist()  # type: ignore[no-any-return]
 
+    def _register_pending(self, seq: Sequence) -> None:
+        """Offer the cache every full computed block not offered yet."""
+        computed_blocks = seq.num_computed // self.block_size
+        if computed_blocks > seq.registered and seq.tables[0]:
+            self._register_blocks(seq, seq.registered, computed_blocks)
+
     def _register_blocks(self, seq: Sequence, start: int, stop: int) -> None:
+        seq.registered = max(seq.registered, stop)
         scope = seq.scope if seq.scope is not None else self._ensure_scope(seq)
         hashes = self._extend_hashes(seq, stop)
         register = self.pool.register

@@ -66,6 +66,7 @@ class Sequence:
         "cache_salt",
         "tables",
         "hashes",
+        "registered",
         "scope",
         "swapped_blocks",
         "cached_tokens",
@@ -105,6 +106,7 @@ class Sequence:
         self._columns.set(LAST_TOKEN, self.slot, tokens[-1] if tokens else 0)
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.hashes: list[bytes] = []
+        self.registered = 0  # blocks [0, registered) were offered to the prefix cache
         self.scope: Scope | None = None
         self._state = KVState.WAITING
         self.swapped_blocks: list[list[int]] | None = None  # per group, blocks copied out
