@@ -38,6 +38,7 @@ import numpy as np
 
 from kvd.kv.columns import (
     ALLOCATED,
+    BLOCKS,
     COMPUTED,
     LAST_TOKEN,
     LENGTH,
@@ -608,10 +609,10 @@ class KVManager:
         columns before the step are ``block`` (``columns.matrix[:, slots]``)."""
         computed = block[COMPUTED]
         new = computed + 1
-        if (
-            bool(((block[RESIDENT] != 1) | (new > block[ALLOCATED])).any())
-            or len(set(slots.tolist())) != len(seqs)
-        ):
+        # Resident (1), with a slot allocated for the token: the product is >= 1.
+        if int(((block[ALLOCATED] - computed) * block[RESIDENT]).min()) < 1 or len(
+            set(slots.tolist())
+        ) != len(seqs):
             self.commit_batch(seqs, [1] * len(seqs), slots)  # raises the precise error
             return
         self.columns.matrix[COMPUTED, slots] = new
@@ -625,22 +626,41 @@ class KVManager:
             for i in np.flatnonzero(moved).tolist():
                 self._slide(seqs[i], self.first_needed_block(int(new[i])))
 
-    def grow_decodes(self, seqs: list[Sequence]) -> bool:
-        """A new block for each of ``seqs``, decodes whose next token starts one
-        (a decode step's 1 in ``block_size``), if the idle pages and every
-        tenant's budget allow all of them; otherwise change nothing and return
-        False (the caller then goes one by one, by priority, evicting by policy)."""
+    def extend_decodes(
+        self, seqs: list[Sequence], slots: np.ndarray[Any, Any] | None = None
+    ) -> list[int]:
+        """Slots for one more token of every sequence that is one token from
+        done (a decode), without the general allocation path; returns the
+        indices of the sequences left for that path.
+
+        Decodes whose slot lies in a block they hold always get it. Decodes
+        whose next token starts a new block get one each only if all the
+        others are such decodes and the idle pages and every tenant's budget
+        suffice for all of them: then nothing competes for the pages, and no
+        order among them could change the outcome. Otherwise they are left,
+        with the rest, to the caller's ordered path (priority, eviction).
+        """
         if not seqs:
-            return True
-        slots = self.slots_of(seqs)
-        vectors = self.columns.vectors
-        computed = vectors.computed[slots]
-        if not (
-            (vectors.resident[slots] == 1).all()
-            and (vectors.length[slots] == computed + 1).all()
-            and (computed == vectors.blocks[slots] * self.block_size).all()
-        ):
-            raise KVError("grow_decodes takes only decodes at a block boundary")
+            return []
+        if slots is None:
+            slots = self.slots_of(seqs)
+        block = self.columns.matrix[:, slots]
+        computed = block[COMPUTED]
+        decode = (block[RESIDENT] == 1) & (block[LENGTH] == computed + 1)
+        capacity = block[BLOCKS] * self.block_size
+        fits = decode & (computed < capacity)
+        left = np.flatnonzero(~fits)
+        if len(left) and bool((decode[left] & (computed[left] == capacity[left])).all()):
+            if self._grow_by_one_block([seqs[i] for i in left.tolist()]):
+                fits[left] = True
+                left = left[:0]
+        matrix = self.columns.matrix
+        matrix[ALLOCATED, slots] = np.where(fits, computed + 1, block[ALLOCATED])
+        return left.tolist()  # type: ignore[no-any-return]
+
+    def _grow_by_one_block(self, seqs: list[Sequence]) -> bool:
+        """A new block for each of ``seqs``, if the idle pages and every tenant's
+        budget allow all of them; otherwise change nothing and return False."""
         groups = self.num_groups
         per_tenant: dict[str, int] = {}
         for seq in seqs:
@@ -653,27 +673,9 @@ class KVManager:
         for seq in seqs:
             for table, page in zip(seq.tables, take(seq.tenant, groups), strict=True):
                 table.append(page)
+            seq.num_blocks += 1
             seq.table_version = next(stamps)
-        vectors.blocks[slots] += 1
-        vectors.allocated[slots] = computed + 1
         return True
-
-    def extend_decodes(self, seqs: list[Sequence]) -> list[int]:
-        """``extend_in_place(seq, 1)`` for every sequence that is one token from
-        done and has room for it in its last block; returns the indices of the
-        others, which need the full allocation path."""
-        if not seqs:
-            return []
-        slots = self.slots_of(seqs)
-        vectors = self.columns.vectors
-        computed = vectors.computed[slots]
-        fits = (
-            (vectors.resident[slots] == 1)
-            & (vectors.length[slots] == computed + 1)
-            & (computed < vectors.blocks[slots] * self.block_size)
-        )
-        vectors.allocated[slots[fits]] = computed[fits] + 1
-        return np.flatnonzero(~fits).tolist()  # type: ignore[no-any-return]
 
     def _register_pending(self, seq: Sequence) -> None:
         """Offer the cache every full computed block not offered yet."""

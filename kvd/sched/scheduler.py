@@ -45,6 +45,9 @@ from kvd.sched.fairshare import VirtualCounters
 from kvd.sched.ratelimit import RateLimited, RateLimits, TenantLimiter
 
 
+_NO_SLOTS = np.zeros(0, np.int64)
+
+
 class TenantConfig(msgspec.Struct, frozen=True):
     name: str
     reservation_pages: int = 0
@@ -257,6 +260,9 @@ class Scheduler:
         self._seq_ids = itertools.count(1)
         self._ttft: list[float] = []
         self._itl: list[float] = []
+        # The running requests of this step and their KV slots, when computed while
+        # scheduling (a step of only those decodes needs them again).
+        self._decode_slots: tuple[list[Request], np.ndarray[Any, Any]] = ([], _NO_SLOTS)
         # When each sequence slot last received a token (NaN: none yet).
         self._last_token_at = np.full(0, np.nan)
         self._is_stop = np.zeros(engine.model.config.vocab_size, np.bool_)  # by token id
@@ -420,7 +426,10 @@ class Scheduler:
             return events
         requests = work.requests
         seqs: list[Sequence] = [request.seq for request in requests]  # type: ignore[misc]
-        slots = self.kv.slots_of(seqs)
+        scheduled, slots = self._decode_slots
+        if scheduled != requests:  # more or fewer than the running decodes
+            slots = self.kv.slots_of(seqs)
+        self._decode_slots = ([], _NO_SLOTS)
         block = self.kv.columns.matrix[:, slots]  # the step's counters, gathered once
         tokens, logprobs, stopped = self.engine.run(
             seqs, work.counts, ParamsOf(requests), slots, block
@@ -444,20 +453,19 @@ class Scheduler:
         order = self._running_order.snapshot()
         if len(order) <= max_seqs and len(order) <= budget:
             # Every running request fits this step, so priority cannot decide who
-            # waits: the decodes whose next slot lies in a block they hold (most
-            # of them, most steps) are scheduled as one array operation, first;
-            # the rest (prefill chunks, block crossings) follow by priority with
-            # the budget left, and may preempt by policy.
-            slow = self.kv.extend_decodes([request.seq for request in order])  # type: ignore[misc]
+            # waits: the decodes are scheduled as one array operation, first
+            # (see KVManager.extend_decodes for when those starting a new block
+            # join them); the rest (prefill chunks, decodes that need pages
+            # someone else may want) follow by priority with the budget left,
+            # and may preempt by policy.
+            seqs: list[Sequence] = [request.seq for request in order]  # type: ignore[misc]
+            self._decode_slots = (order, self.kv.slots_of(seqs))  # step() reuses them
+            slow = self.kv.extend_decodes(seqs, self._decode_slots[1])
             fast = order
             if slow:
-                rest = [order[i] for i in slow]
-                if self._grow_decodes(rest):
-                    order = []  # all were decodes into a new block, and the pages were there
-                else:
-                    needs_work = set(slow)
-                    fast = [r for i, r in enumerate(order) if i not in needs_work]
-                    order = rest
+                needs_work = set(slow)
+                fast = [r for i, r in enumerate(order) if i not in needs_work]
+                order = [order[i] for i in slow]
             else:
                 order = []
             work.add_decodes(fast)
@@ -476,21 +484,6 @@ class Scheduler:
                 work.add(request, n)
                 budget -= n
         return budget
-
-    def _grow_decodes(self, requests: list[Request]) -> bool:
-        """A new block each for ``requests`` at once, if all are decodes at a block
-        boundary and the pages are idle and within budget: nobody competes, so
-        the priority order would not change the outcome."""
-        bs = self.kv.block_size
-        seqs = []
-        for request in requests:
-            seq = request.seq
-            assert seq is not None
-            computed = seq.num_computed
-            if len(seq.tokens) != computed + 1 or computed != seq.num_blocks * bs:
-                return False
-            seqs.append(seq)
-        return self.kv.grow_decodes(seqs)
 
     def _swap_in(self, work: StepWork, budget: int) -> int:
         for request in self._order(list(self.swapped.values())):
