@@ -95,14 +95,18 @@ class SequenceRows:
         params: Seq[SamplingParams | None],
         versions: np.ndarray[Any, Any],
         serials: np.ndarray[Any, Any],
+        edits: list[tuple[int, int, int, int]] | None = None,
     ) -> np.ndarray[Any, Any]:
         """The rows of ``seqs`` (at column ``slots``; their tables' ``versions``,
-        their ``serials``), rewritten where stale: tables when their version
-        moved, sampling when the row has a new sequence (a sequence's
+        their ``serials``), brought up to date: the KV manager's logged
+        ``edits`` applied (and the list emptied), tables rewritten where their
+        version moved, sampling where the row has a new sequence (a sequence's
         parameters are read when it first runs)."""
         rows = slots + 1
         if len(rows) and int(rows.max()) > self.capacity:
             self._grow(max(2 * self.capacity, int(rows.max())))
+        if edits:
+            self.apply(edits)
         for i in np.flatnonzero(self.stamps[rows] != versions).tolist():
             self._write_tables(int(rows[i]), seqs[i], int(versions[i]))
         for i in np.flatnonzero(self.serials[rows] != serials).tolist():
@@ -110,6 +114,17 @@ class SequenceRows:
                 self._write_sampling(int(rows[i]), params[i])  # type: ignore[arg-type]
                 self.serials[rows[i]] = serials[i]
         return rows
+
+    def apply(self, edits: list[tuple[int, int, int, int]]) -> None:
+        """Patch single table entries, (slot, group, block, page) each, in the
+        order logged; then forget them."""
+        most = max(edit[0] for edit in edits) + 1
+        if most > self.capacity:
+            self._grow(max(2 * self.capacity, most))
+        tables = self.tables
+        for slot, group, block, page in edits:  # in order: a later edit of an entry wins
+            tables[group, slot + 1, block] = page
+        edits.clear()
 
     def _write_tables(self, row: int, seq: Sequence, version: int) -> None:
         blocks = seq.num_blocks

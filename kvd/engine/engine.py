@@ -217,6 +217,7 @@ class Engine:
         self.device_seconds = 0.0  # time in device programs and their results, all steps
         self._warm = False
         self._rows = SequenceRows(self.layout.num_groups, max_blocks)
+        self._table_edits = self.kv.log_table_edits()
         tokenizer = model.tokenizer
         # EOS and end-of-turn end every generation (no tokenizer: a bare model in tests).
         self.stop_ids = tokenizer.stop_ids() if tokenizer is not None else frozenset()
@@ -377,7 +378,9 @@ class Engine:
         width = bucket(int(block[BLOCKS].max()), self.block_buckets)
         cache = self._rows
         rows = np.zeros(self.config.max_num_seqs, np.int64)
-        rows[:count] = cache.prepare(seqs, slots, params, block[TABLE_VERSION], block[SERIAL])
+        rows[:count] = cache.prepare(
+            seqs, slots, params, block[TABLE_VERSION], block[SERIAL], self._table_edits
+        )
         tables = cache.tables[:, rows, :width]
         if decodes:  # each computes its newest token: the most common step by far
             flat = pack_decode_step(

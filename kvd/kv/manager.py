@@ -129,6 +129,12 @@ class KVManager:
         self.sequences: dict[int, Sequence] = {}
         self.columns = SequenceColumns()
         self._stamps = itertools.count(1)  # table versions, unique across sequences
+        # Single-entry table changes, (slot, group, block, page), for a device-side
+        # copy of the tables that ``log_table_edits`` asked for (None: not kept).
+        # The two per-block events of a decode (a new block, a block sliding
+        # out) are logged instead of moving ``table_version``, so that copy is
+        # patched in place rather than rewritten row by row.
+        self.table_edits: list[tuple[int, int, int, int]] | None = None
         self.num_groups = layout.num_groups
         self.global_groups = tuple(g.index for g in layout.groups_of(AttentionKind.GLOBAL))
         self.sliding_groups = tuple(g.index for g in layout.groups_of(AttentionKind.SLIDING))
@@ -141,6 +147,13 @@ class KVManager:
     @classmethod
     def for_pool_bytes(cls, layout: PageLayout, pool_bytes: int, **kwargs: object) -> KVManager:
         return cls(layout, layout.num_pages(pool_bytes), **kwargs)  # type: ignore[arg-type]
+
+    def log_table_edits(self) -> list[tuple[int, int, int, int]]:
+        """Start logging single-entry table edits (see ``table_edits``); the
+        caller drains the returned list as it applies them."""
+        if self.table_edits is None:
+            self.table_edits = []
+        return self.table_edits
 
     # -- configuration, live -------------------------------------------------
 
@@ -669,12 +682,17 @@ class KVManager:
             pages > self.ledger.headroom(tenant) for tenant, pages in per_tenant.items()
         ):
             return False
-        take, stamps = self.pool.take, self._stamps
+        take, edits = self.pool.take, self.table_edits
         for seq in seqs:
-            for table, page in zip(seq.tables, take(seq.tenant, groups), strict=True):
+            block = seq.num_blocks
+            pages = take(seq.tenant, groups)
+            for g, (table, page) in enumerate(zip(seq.tables, pages, strict=True)):
                 table.append(page)
-            seq.num_blocks += 1
-            seq.table_version = next(stamps)
+                if edits is not None:
+                    edits.append((seq.slot, g, block, page))
+            seq.num_blocks = block + 1
+            if edits is None:
+                seq.table_version = next(self._stamps)
         return True
 
     def _register_pending(self, seq: Sequence) -> None:
@@ -712,7 +730,7 @@ class KVManager:
                     register(page, (g, key_hash), public)
 
     def _slide(self, seq: Sequence, first_needed: int) -> None:
-        drop, tenant = self.pool.drop, seq.tenant
+        drop, tenant, edits = self.pool.drop, seq.tenant, self.table_edits
         for block in range(first_needed - 1, seq.sliding_start - 1, -1):
             for g in self.sliding_groups:
                 table = seq.tables[g]
@@ -720,8 +738,11 @@ class KVManager:
                 if page:
                     drop(page, tenant)
                     table[block] = NULL_PAGE
+                    if edits is not None:
+                        edits.append((seq.slot, g, block, NULL_PAGE))
         seq.sliding_start = first_needed
-        seq.table_version = next(self._stamps)
+        if edits is None:
+            seq.table_version = next(self._stamps)
 
     # -- swapping ----------------------------------------------------------------
 
