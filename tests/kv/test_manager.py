@@ -406,3 +406,88 @@ def test_extend_in_place_is_the_decode_fast_path(layout: PageLayout) -> None:
     assert kv.extend_in_place(seq, 2) and not kv.extend_in_place(seq, 3)  # 9 needs block 2
     assert not kv.extend_in_place(seq, 0)
     kv.check_invariants()
+
+
+def decoding(kv: KVManager, seq_id: int, prompt: int, tenant: str = "a"):  # type: ignore[no-untyped-def]
+    """A sequence whose prompt is computed and one sampled token appended."""
+    seq = kv.add_sequence(seq_id, tenant, list(range(1, prompt + 1)))
+    compute(kv, seq, prompt)
+    kv.append_tokens(seq, [7])
+    return seq
+
+
+def test_extend_decodes_takes_slots_in_held_blocks_and_grows_only_all_or_none(
+    layout: PageLayout,
+) -> None:
+    kv = make_kv(layout, pages=60)
+    inside = decoding(kv, 1, 5)  # next position 5: block 1, held
+    boundary = [decoding(kv, 2, 4), decoding(kv, 3, 8)]  # next position starts a block
+    assert kv.extend_decodes([inside, *boundary]) == []  # pages for both: all grow
+    assert [s.num_blocks for s in boundary] == [2, 3]
+    assert [s.num_allocated for s in (inside, *boundary)] == [6, 5, 9]
+    for seq in (inside, *boundary):
+        kv.commit(seq, 1)
+    kv.check_invariants()
+
+    kv = make_kv(layout, pages=60)
+    waiting = kv.add_sequence(9, "a", [1, 2, 3])  # not resident: never a decode here
+    boundary = [decoding(kv, 2, 4), decoding(kv, 3, 8)]
+    assert kv.extend_decodes([*boundary, waiting]) == [0, 1, 2]  # someone else: no growth
+    assert [s.num_blocks for s in boundary] == [1, 2]
+
+    tight = make_kv(layout, pages=1 + 3 * layout.num_groups)  # the null page and 3 blocks
+    boundary = [decoding(tight, 2, 4), decoding(tight, 3, 4)]
+    assert tight.pool.num_idle() < 2 * layout.num_groups
+    assert tight.extend_decodes(boundary) == [0, 1]  # not enough for both: neither grows
+    assert [s.num_blocks for s in boundary] == [1, 1]
+    tight.check_invariants()
+
+
+def test_commit_batch_is_all_or_nothing_and_refuses_strangers(layout: PageLayout) -> None:
+    kv = make_kv(layout)
+    a, b = decoding(kv, 1, 5), decoding(kv, 2, 5)
+    assert kv.extend_decodes([a, b]) == []
+    with pytest.raises(KVError, match="cannot commit 2 tokens"):
+        kv.commit_batch([a, b], [1, 2])
+    assert (a.num_computed, b.num_computed) == (5, 5)  # nothing moved
+    with pytest.raises(KVError, match="twice"):
+        kv.commit_batch([a, a], [1, 1])
+    other = make_kv(layout)
+    stranger = decoding(other, 1, 5)
+    with pytest.raises(KVError, match="not live"):
+        kv.commit_batch([stranger], [1])
+    kv.commit_batch([a, b], [1, 1])
+    kv.append_decoded([a, b], [8, 9])
+    assert a.tokens[-2:] == [7, 8] and b.tokens[-1] == 9
+    kv.check_invariants()
+
+
+def test_decode_blocks_enter_the_cache_when_the_sequence_lets_go(layout: PageLayout) -> None:
+    """Prefill blocks are cached as they are computed; blocks that decode steps
+    fill are offered when the sequence releases its pages (as SGLang does)."""
+    kv = make_kv(layout, pages=60)
+    seq = decoding(kv, 1, 4)  # the prompt fills block 0: cached at once
+    for token in range(8):  # decode 8 tokens: blocks 1 and 2 fill
+        assert kv.extend_decodes([seq]) == []
+        kv.commit_decodes([seq], kv.slots_of([seq]), kv.columns.matrix[:, kv.slots_of([seq])])
+        kv.append_decoded([seq], [20 + token])
+    follow_up = kv.add_sequence(2, "a", seq.tokens[:12] + [99])
+    assert kv.lookup(follow_up).num_tokens == 4  # only the prompt's block, so far
+    kv.finish(seq)
+    assert kv.lookup(follow_up).num_tokens == 12  # the decoded blocks, once released
+    kv.check_invariants()
+
+
+def test_columns_follow_the_sequences(layout: PageLayout) -> None:
+    kv = make_kv(layout, pages=1000)
+    seqs = [decoding(kv, i, 5) for i in range(70)]  # more than the initial 64 slots
+    assert len({s.slot for s in seqs}) == 70
+    kv.check_invariants()
+    done = seqs[3]
+    slot = done.slot
+    kv.finish(done)
+    again = kv.add_sequence(100, "a", [1, 2])
+    assert again.slot == slot and again.num_computed == 0  # the slot, fresh
+    compute(kv, again, 2)
+    assert done.num_computed == 0 and done.state is KVState.RELEASED  # its own copy
+    kv.check_invariants()

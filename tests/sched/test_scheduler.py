@@ -282,3 +282,30 @@ def test_a_request_that_can_never_fit_is_refused_at_once(engine) -> None:  # typ
     assert refused.value.status == 413 and "burst cap is 8" in str(refused.value)
     scheduler.submit("fits", "small", prompt(2, 4), greedy(1))
     run_to_end(scheduler)
+
+
+def test_the_engine_tables_follow_the_kv_tables(make_engine: MakeEngine) -> None:
+    """Decodes grow blocks and slide windows through logged edits; whatever the
+    path, the engine's copy of every running sequence's tables is exact."""
+    engine = make_engine()
+    scheduler = Scheduler(engine)
+    scheduler.set_tenant(TenantConfig("t", max_queue=16))
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    for i in range(6):
+        scheduler.submit(f"r{i}", "t", list(range(3, 3 + 2 + 3 * i)), params)
+    rows = engine._rows
+    checked = 0
+    while scheduler.has_work():
+        scheduler.step()
+        if engine._table_edits:
+            rows.apply(engine._table_edits)
+        for request in scheduler.running.values():
+            seq = request.seq
+            assert seq is not None
+            if rows.stamps[seq.slot + 1] != seq.table_version:
+                continue  # to be rewritten whole before its next step
+            row = rows.tables[:, seq.slot + 1, : seq.num_blocks]
+            assert row.tolist() == seq.tables, seq
+            checked += 1
+    assert checked > 100
+    engine.kv.check_invariants()
