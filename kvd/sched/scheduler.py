@@ -24,7 +24,7 @@ import bisect
 import enum
 import itertools
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +135,33 @@ class RunningOrder:
 
     def snapshot(self) -> list[Request]:
         return list(self._requests)
+
+
+class SlotInfo:
+    """Per KV slot, what token handling needs of the request whose sequence holds
+    it: a step reads these for all its sequences as arrays, not from 256
+    request objects."""
+
+    def __init__(self) -> None:
+        self.last_token_at = np.full(0, np.nan)  # NaN: no token yet
+        self.stop_length = np.zeros(0, np.int64)  # the sequence ends at this length
+        self.tenant = np.zeros(0, np.int64)  # index into Scheduler.tenant_names
+
+    def start(self, slot: int, capacity: int, stop_length: int, tenant: int) -> None:
+        """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
+        if len(self.stop_length) < capacity:
+            self._grow(capacity)
+        self.last_token_at[slot] = np.nan
+        self.stop_length[slot] = stop_length
+        self.tenant[slot] = tenant
+
+    def _grow(self, capacity: int) -> None:
+        old = len(self.stop_length)
+        for name, fill in (("last_token_at", np.nan), ("stop_length", 0), ("tenant", 0)):
+            column = getattr(self, name)
+            grown = np.full(capacity, fill, column.dtype)
+            grown[:old] = column
+            setattr(self, name, grown)
 
 
 class StepWork:
@@ -263,8 +290,9 @@ class Scheduler:
         # The running requests of this step and their KV slots, when computed while
         # scheduling (a step of only those decodes needs them again).
         self._decode_slots: tuple[list[Request], np.ndarray[Any, Any]] = ([], _NO_SLOTS)
-        # When each sequence slot last received a token (NaN: none yet).
-        self._last_token_at = np.full(0, np.nan)
+        self._slot_info = SlotInfo()
+        self.tenant_names: list[str] = []  # SlotInfo.tenant indexes this
+        self._tenant_index: dict[str, int] = {}
         self._is_stop = np.zeros(engine.model.config.vocab_size, np.bool_)  # by token id
         self._is_stop[sorted(engine.stop_ids)] = True
         self._queue: list[float] = []
@@ -288,6 +316,9 @@ class Scheduler:
         if old is None or old.limits != tenant.limits:
             self.limiters[tenant.name] = TenantLimiter(tenant.limits, self.clock())
         self.tenants[tenant.name] = tenant
+        if tenant.name not in self._tenant_index:
+            self._tenant_index[tenant.name] = len(self.tenant_names)
+            self.tenant_names.append(tenant.name)
         self.queues.setdefault(tenant.name, deque())
         self.tenant_stats.setdefault(tenant.name, TenantStats())
 
@@ -538,8 +569,12 @@ class Scheduler:
                     tier=request.tier,
                     cache_salt=request.cache_salt,
                 )
-                if request.seq.slot < len(self._last_token_at):
-                    self._last_token_at[request.seq.slot] = np.nan
+                self._slot_info.start(
+                    request.seq.slot,
+                    self.kv.columns.capacity,
+                    request.stop_length,
+                    self._tenant_index[request.tenant],
+                )
             seq = request.seq
             hit = self.kv.lookup(seq)
             n = min(len(seq.tokens) - hit.num_tokens, budget)
@@ -666,9 +701,9 @@ class Scheduler:
             tokens, logprobs, stopped = tokens[keep], logprobs[keep], stopped[keep]
         if not requests:
             return
-        stop_length = np.fromiter([r.stop_length for r in requests], np.int64, len(requests))
+        info = self._slot_info
         by_stop = stopped | self._is_stop[tokens]
-        finished = by_stop | (length >= stop_length - 1)  # with this token
+        finished = by_stop | (length >= info.stop_length[slots] - 1)  # with this token
         self._observe_latency(requests, slots, now)
         token_list = tokens.tolist()
         # A last token too: it is part of the output.
@@ -687,7 +722,9 @@ class Scheduler:
         )
         for i in ends:
             self._finish(requests[i], reasons[i])  # type: ignore[arg-type]
-        for tenant, count in Counter([r.tenant for r in requests]).items():
+        served = np.bincount(info.tenant[slots])
+        for index in np.flatnonzero(served).tolist():
+            tenant, count = self.tenant_names[index], int(served[index])
             self.counters.charge(tenant, output_tokens=count)  # fair share, once per tenant
             self.tenant_stats[tenant].completion_tokens += count
 
@@ -695,11 +732,8 @@ class Scheduler:
         self, requests: list[Request], slots: np.ndarray[Any, Any], now: float
     ) -> None:
         """Time to first token and inter-token gaps, kept per sequence slot."""
-        if len(self._last_token_at) < self.kv.columns.capacity:
-            grown = np.full(self.kv.columns.capacity, np.nan)
-            grown[: len(self._last_token_at)] = self._last_token_at
-            self._last_token_at = grown
-        last = self._last_token_at[slots]
+        last_token_at = self._slot_info.last_token_at
+        last = last_token_at[slots]
         first = np.isnan(last)
         if first.any():
             for i in np.flatnonzero(first).tolist():
@@ -708,7 +742,7 @@ class Scheduler:
                 self._ttft.append(now - request.arrival)
             last = last[~first]
         self._itl += (now - last).tolist()
-        self._last_token_at[slots] = now
+        last_token_at[slots] = now
 
     def _finish(self, request: Request, reason: str) -> None:
         seq = request.seq
