@@ -36,7 +36,14 @@ from kvd.engine.batching import (
     unpack,
 )
 from kvd.engine.loader import LoadedModel
-from kvd.engine.model import EngineSpec, Params, StepBatch, body, head, prepare_params
+from kvd.engine.model import (
+    EngineSpec,
+    Params,
+    StepBatch,
+    body,
+    head_vocab_major,
+    prepare_params,
+)
 from kvd.engine.sampling import SamplingBatch, SamplingParams, sample
 from kvd.kv.columns import BLOCKS, COMPUTED, LAST_TOKEN, LENGTH, SERIAL, TABLE_VERSION
 from kvd.kv.layout import build_layout
@@ -105,7 +112,7 @@ def head_and_sample(
         stop_ids=ints[:, SAMPLING_STOP:],
         want_logprobs=ints[:, 3].astype(jnp.bool_),
     )
-    return sample(head(spec, params, rows[:seqs]), sampling)
+    return sample(head_vocab_major(spec, params, rows[:seqs]), sampling)
 
 
 @dataclass

@@ -62,25 +62,24 @@ class SamplingBatch(NamedTuple):
 
 
 def sample(logits: jax.Array, params: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(tokens [S], logprobs of the chosen tokens [S], stopped [S]) from logits [S, V].
+    """(tokens [S], logprobs of the chosen tokens [S], stopped [S]) from logits
+    ``[V, S]``: vocabulary-major, as the head computes them fastest.
 
     Branches that no sequence of the batch needs (random draws when all are
     greedy, the whole-vocabulary draw when all truncate) are skipped at run
     time with ``lax.cond``: one compiled program, no wasted work.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=0).astype(jnp.int32)
     tokens = jax.lax.cond(
         jnp.all(params.temperature == 0.0),
         lambda: greedy,
         lambda: jnp.where(params.temperature == 0.0, greedy, _draw(logits, params)),
     )
+    rows = jnp.arange(tokens.shape[0])
     # The normaliser is a pass over the whole vocabulary: only when asked for.
     logprobs = jax.lax.cond(
         jnp.any(params.want_logprobs),
-        lambda: (
-            jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-            - jax.nn.logsumexp(logits, axis=-1)
-        ),
+        lambda: logits[tokens, rows] - jax.nn.logsumexp(logits, axis=0),
         lambda: jnp.zeros(tokens.shape, logits.dtype),
     )
     stopped = jnp.any(tokens[:, None] == params.stop_ids, axis=-1)
@@ -88,20 +87,22 @@ def sample(logits: jax.Array, params: SamplingBatch) -> tuple[jax.Array, jax.Arr
 
 
 def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
+    """Sampled tokens [S] from vocabulary-major logits [V, S]."""
     keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
         params.seeds, params.positions
     )
-    scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]  # [S, V]
+    vocab = logits.shape[0]
+    scaled = logits / jnp.maximum(params.temperature, 1e-6)[None, :]  # [V, S]
     truncating = (params.top_k > 0) | (params.top_p < 1.0)
 
     def whole_vocabulary() -> jax.Array:  # Gumbel-max over all V tokens
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],)))(keys)
-        return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys)  # [S, V]
+        return jnp.argmax(scaled + gumbel.T, axis=0).astype(jnp.int32)
 
-    candidates = min(CANDIDATES, logits.shape[-1])
+    candidates = min(CANDIDATES, vocab)
 
     def among_candidates() -> jax.Array:
-        top_values, top_index = jax.lax.top_k(scaled, candidates)  # [S, C] best first
+        top_values, top_index = jax.lax.top_k(scaled.T, candidates)  # [S, C] best first
         rank = jnp.arange(candidates)[None, :]
         k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, candidates), candidates)
         keep = rank < k[:, None]
