@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -36,6 +36,13 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
         size *= 2
     sizes.append(hi)
     return tuple(sizes)
+
+
+class ParamsLookup(Protocol):
+    """Sampling parameters by position in a step (a list will do); only the
+    entries of sequences running for the first time are read."""
+
+    def __getitem__(self, index: int, /) -> SamplingParams | None: ...
 
 
 # A sequence's sampling row: top_k, seed, position, logprobs wanted, stop ids;
@@ -92,7 +99,7 @@ class SequenceRows:
         self,
         seqs: Seq[Sequence],
         slots: np.ndarray[Any, Any],
-        params: Seq[SamplingParams | None],
+        params: ParamsLookup,
         versions: np.ndarray[Any, Any],
         serials: np.ndarray[Any, Any],
         edits: list[tuple[int, int, int, int]] | None = None,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from collections.abc import Sequence as SeqOf
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -26,12 +25,13 @@ from kvd.engine.batching import (
     SAMPLING_FLOATS,
     SAMPLING_INTS,
     SAMPLING_STOP,
+    ParamsLookup,
     SequenceRows,
+    assemble_step_batch,
     batch_shapes,
     bucket,
-    assemble_step_batch,
-    pack_decode_step,
     pack,
+    pack_decode_step,
     powers_of_two,
     unpack,
 )
@@ -359,7 +359,7 @@ class Engine:
         self,
         seqs: list[Sequence],
         counts: list[int],
-        params: SeqOf[SamplingParams],
+        params: ParamsLookup,
         slots: np.ndarray[Any, Any] | None = None,
         block: np.ndarray[Any, Any] | None = None,
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:

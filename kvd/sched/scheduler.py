@@ -26,7 +26,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -34,8 +34,8 @@ import numpy as np
 
 from kvd.engine.engine import Engine
 from kvd.engine.sampling import SamplingParams
-from kvd.kv.eviction import plan_eviction
 from kvd.kv.columns import COMPUTED, LENGTH
+from kvd.kv.eviction import plan_eviction
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import PrefixHit
 from kvd.kv.scope import SharingPolicy
@@ -43,7 +43,6 @@ from kvd.kv.sequence import KVState, Sequence
 from kvd.sched.costmodel import Rates
 from kvd.sched.fairshare import VirtualCounters
 from kvd.sched.ratelimit import RateLimited, RateLimits, TenantLimiter
-
 
 _NO_SLOTS = np.zeros(0, np.int64)
 

@@ -103,7 +103,7 @@ class Admin:
         return await self.runtime.call(self._status)
 
     def _status(self) -> dict[str, Any]:
-        runtime = self.server.runtime
+        runtime = self.runtime
         scheduler = runtime.scheduler
         kv = scheduler.kv
         stats = scheduler.stats()

@@ -105,10 +105,10 @@ class SchedulerCollector(Collector):
                 family.add_metric([name], getattr(stats, key))
             yield family
         for key, text in counters.items():
-            family = CounterMetricFamily(f"kvd_tenant_{key}", text, labels=["tenant"])
+            counter = CounterMetricFamily(f"kvd_tenant_{key}", text, labels=["tenant"])
             for name, stats in tenants.items():
-                family.add_metric([name], getattr(stats, key))
-            yield family
+                counter.add_metric([name], getattr(stats, key))
+            yield counter
         preempted = CounterMetricFamily(
             "kvd_tenant_preemptions", "Preemptions by kind", labels=["tenant", "kind"]
         )

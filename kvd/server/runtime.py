@@ -71,7 +71,7 @@ class Runtime:
         self.draining = False
         self.snapshot: SchedulerStats = scheduler.stats()
         self._snapshot_at = 0.0
-        self._inbox: deque[Callable[[], None]] = deque()
+        self._inbox: deque[Callable[[], object]] = deque()
         self._wake = trio.Event()
         self._live: dict[str, Ticket] = {}
         self._idle = trio.Event()
@@ -193,7 +193,7 @@ class Runtime:
         if not self._live:
             self._idle.set()
 
-    def _post(self, command: Callable[[], None]) -> None:
+    def _post(self, command: Callable[[], object]) -> None:
         self._inbox.append(command)
         self._wake.set()
 
