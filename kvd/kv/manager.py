@@ -610,10 +610,7 @@ class KVManager:
         for i in np.flatnonzero(new // bs > old // bs).tolist():
             seq = seqs[i]
             self._register_blocks(seq, seq.registered, int(new[i]) // bs)
-        if self.window is not None:
-            moved = new - self.window + 1 >= (block[SLIDING_START] + 1) * bs
-            for i in np.flatnonzero(moved).tolist():
-                self._slide(seqs[i], self.first_needed_block(int(new[i])))
+        self._slide_moved(seqs, block, new)
 
     def commit_decodes(
         self, seqs: list[Sequence], slots: np.ndarray[Any, Any], block: np.ndarray[Any, Any]
@@ -633,11 +630,7 @@ class KVManager:
         # of its pages (``_drop_all``), as SGLang inserts a request's output when
         # it finishes: hashing and indexing one block per sequence every
         # ``block_size`` steps would be a large share of a decode step's host time.
-        bs = self.block_size
-        if self.window is not None:
-            moved = new - self.window + 1 >= (block[SLIDING_START] + 1) * bs
-            for i in np.flatnonzero(moved).tolist():
-                self._slide(seqs[i], self.first_needed_block(int(new[i])))
+        self._slide_moved(seqs, block, new)
 
     def extend_decodes(
         self, seqs: list[Sequence], slots: np.ndarray[Any, Any] | None = None
@@ -694,6 +687,17 @@ class KVManager:
             if edits is None:
                 seq.table_version = next(self._stamps)
         return True
+
+    def _slide_moved(
+        self, seqs: list[Sequence], block: np.ndarray[Any, Any], new: np.ndarray[Any, Any]
+    ) -> None:
+        """After a batched commit to ``new`` computed tokens (``block``: the
+        columns before it), slide the windows that moved past a block."""
+        if self.window is None:
+            return
+        moved = new - self.window + 1 >= (block[SLIDING_START] + 1) * self.block_size
+        for i in np.flatnonzero(moved).tolist():
+            self._slide(seqs[i], self.first_needed_block(int(new[i])))
 
     def _register_pending(self, seq: Sequence) -> None:
         """Offer the cache every full computed block not offered yet."""
