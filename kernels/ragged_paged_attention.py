@@ -23,6 +23,11 @@ Tiling
   window) map to the null page 0 (always resident, never written) and their
   compute is skipped, so a short sequence in a wide table costs a DMA of the
   null page per skipped block, not a matmul.
+- A table is a ring of ``ring`` entries (block b in entry ``b % ring``): the
+  block held by entry w is the one in the token's visible range congruent to
+  w, so a sliding layer's narrow table (its window plus a step) is walked as
+  is. A token with a negative position is padding: it sees no block and its
+  output is zero.
 
 Limits
 - One query token per grid row: prefill chunks are correct but do not share
@@ -53,6 +58,7 @@ def _kernel(
     seq_ref,  # [T] int32
     pos_ref,  # [T] int32
     window_ref,  # [1] int32
+    ring_ref,  # [1] int32
     slot_ref,  # [1] int32 (read by the index maps)
     # inputs (VMEM blocks)
     q_ref,  # [K, G, H]
@@ -73,15 +79,13 @@ def _kernel(
     t, w = pl.program_id(0), pl.program_id(1)
     position = pos_ref[t]
     window = window_ref[0]
-    first_key = w * block_size
+    first_key, visible_block = _entry_block(w, position, window, ring_ref[0], block_size)
 
     @pl.when(w == 0)
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    visible_block = (first_key <= position) & (first_key + block_size - 1 > position - window)
 
     @pl.when(visible_block)
     def _compute():
@@ -113,7 +117,22 @@ def _kernel(
 
     @pl.when(w == pl.num_programs(1) - 1)
     def _finish():
-        o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+        seen = l_ref[...] > 0  # padding saw nothing: its output is zero
+        o_ref[...] = jnp.where(seen, acc_ref[...] / jnp.where(seen, l_ref[...], 1.0), 0.0).astype(
+            o_ref.dtype
+        )
+
+
+def _entry_block(w, position, window, ring, block_size: int):
+    """(first key of the block table entry ``w`` holds for a token at
+    ``position``, whether the token sees any of that block)."""
+    # lax.div and lax.rem truncate (Mosaic lowers them directly; ``//`` needs sign).
+    lowest_block = jax.lax.div(jnp.maximum(position - window + 1, 0), block_size)
+    offset = jax.lax.rem(w - lowest_block, ring)
+    offset = jnp.where(offset < 0, offset + ring, offset)
+    first_key = (lowest_block + offset) * block_size
+    seen = (w < ring) & (first_key <= position) & (first_key + block_size - 1 > position - window)
+    return first_key, seen
 
 
 def ragged_paged_attention(
@@ -127,6 +146,7 @@ def ragged_paged_attention(
     scale: float,
     window: jax.Array | int | None,
     softcap: float | None,
+    ring: jax.Array | int | None = None,
     interpret: bool | object = False,
 ) -> jax.Array:
     """Same arguments and result as the engine's reference ``paged_attention``."""
@@ -135,27 +155,27 @@ def ragged_paged_attention(
     group = num_heads // num_kv
     width = tables.shape[1]
     window_arr = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
+    ring_arr = jnp.full((1,), width if ring is None else ring, jnp.int32)
 
-    def q_map(t, w, tables, seqs, pos, win, slot):
+    def q_map(t, w, tables, seqs, pos, win, ring, slot):
         return (t, 0, 0, 0)
 
-    def page(t, w, tables, seqs, pos, win):
-        first = w * block_size
-        seen = (first <= pos[t]) & (first + block_size - 1 > pos[t] - win[0])
+    def page(t, w, tables, seqs, pos, win, ring):
+        _, seen = _entry_block(w, pos[t], win[0], ring[0], block_size)
         return jnp.where(seen, tables[seqs[t], w], 0)
 
-    def k_map(t, w, tables, seqs, pos, win, slot):
-        return (page(t, w, tables, seqs, pos, win), slot[0], 0, 0, 0, 0)
+    def k_map(t, w, tables, seqs, pos, win, ring, slot):
+        return (page(t, w, tables, seqs, pos, win, ring), slot[0], 0, 0, 0, 0)
 
-    def v_map(t, w, tables, seqs, pos, win, slot):
-        return (page(t, w, tables, seqs, pos, win), slot[0], 1, 0, 0, 0)
+    def v_map(t, w, tables, seqs, pos, win, ring, slot):
+        return (page(t, w, tables, seqs, pos, win, ring), slot[0], 1, 0, 0, 0)
 
     squeezed = pl.squeezed
     # The last two block dims (K, H) are whole array dims, as Mosaic requires.
     kv_block = (squeezed, squeezed, squeezed, block_size, num_kv, head_dim)
     q_block = (squeezed, num_kv, group, head_dim)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=6,
         grid=(num_tokens, width),
         in_specs=[
             pl.BlockSpec(q_block, q_map),
@@ -183,6 +203,7 @@ def ragged_paged_attention(
         seq_index.astype(jnp.int32),
         positions.astype(jnp.int32),
         window_arr,
+        ring_arr,
         jnp.full((1,), slot, jnp.int32),
         q.reshape(num_tokens, num_kv, group, head_dim),
         view,

@@ -228,6 +228,41 @@ def bench_decode(
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("prefill")
+@click.option(
+    "--lengths", default="128,512,600,2048,4000", show_default=True, help="Prompt lengths."
+)
+@click.option("--decode-batches", default="1,8", show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
+@click.option("--no-baseline", is_flag=True, help="Skip the transformers baseline.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_prefill(
+    lengths: str,
+    decode_batches: str,
+    new_tokens: int,
+    dtype: str,
+    no_baseline: bool,
+    as_json: bool,
+) -> None:
+    """Prefill tokens/s and peak RSS from 128 to 4,000 tokens, and decode at
+    context 4,000 against 128, with transformers as the baseline."""
+    from kvd.bench.prefill import render, run_prefill_bench
+
+    sizes = _positive_list(lengths, "--lengths")
+    if max(sizes) + new_tokens >= 4096:
+        fail("--lengths: a prompt plus --new-tokens must stay under the 4096-token context")
+    report = run_prefill_bench(
+        sizes,
+        _positive_list(decode_batches, "--decode-batches"),
+        new_tokens=new_tokens,
+        dtype=dtype,
+        baseline=not no_baseline,
+        say=lambda t: click.echo(t, err=True),
+    )
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 @bench.command("http")
 @click.option("--model", default="gemma3-270m", show_default=True, help="Or 'random'.")
 @click.option("--clients", type=click.IntRange(min=1), default=64, show_default=True)

@@ -29,6 +29,29 @@ def bucket(n: int, buckets: Seq[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def sliding_ring(layout: PageLayout, step_tokens: int) -> int:
+    """Entries of a sliding group's block table: the blocks one step's queries
+    of a sequence can see (``step_tokens`` of them, the last ``window`` keys
+    before each), so a ring of this many entries never overwrites a block a
+    query still needs. ``ceil((window - 1) / block) + 1`` for a decode; a
+    prefill chunk adds its own length. 0: the layout has no sliding groups."""
+    windows = {g.window for g in layout.groups if g.window is not None}
+    if not windows:
+        return 0
+    return -(-(max(windows) - 1 + step_tokens) // layout.block_size) + 1
+
+
+def group_rings(layout: PageLayout, ring: int) -> np.ndarray[Any, Any]:
+    """Per page group, the modulus that maps a block to its table entry: the
+    sliding ring, or one no block reaches (global tables are not rings)."""
+    return np.asarray(
+        [ring if ring and g.window is not None else NOT_A_RING for g in layout.groups], np.int32
+    )
+
+
+NOT_A_RING = 1 << 30
+
+
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     sizes, size = [], lo
     while size < hi:
@@ -52,6 +75,24 @@ SAMPLING_INTS = SAMPLING_STOP + MAX_STOP_IDS
 SAMPLING_FLOATS = 2
 
 
+def write_table_row(
+    out: np.ndarray[Any, Any], seq: Sequence, rings: np.ndarray[Any, Any], ring_groups: list[int]
+) -> None:
+    """``seq``'s block tables into ``out`` ``[G, W]``: global groups in full,
+    ``ring_groups`` as rings holding their newest ``rings[g]`` blocks."""
+    blocks = seq.num_blocks
+    out[:, blocks:] = 0
+    if blocks:
+        out[:, :blocks] = seq.tables
+    for g in ring_groups:
+        ring = int(rings[g])
+        entries = out[g]
+        entries[:] = 0
+        table = seq.tables[g]
+        for b in range(max(seq.sliding_start, blocks - ring), blocks):
+            entries[b % ring] = table[b]
+
+
 class SequenceRows:
     """What a step needs of each sequence that does not change from token to
     token, kept as rows of persistent arrays (as vLLM's input batch keeps its
@@ -62,10 +103,17 @@ class SequenceRows:
 
     A sequence's row is its KV column slot + 1; row 0 stays null: an all-null
     table (padding reads only the null page) and greedy sampling without stop ids.
+
+    Sliding groups' tables are rings (``rings[g]`` entries, block b at
+    ``b % rings[g]``; see ``sliding_ring``). Released blocks are not written
+    back as null there: the attention never reads an entry outside the blocks
+    its queries see, and by then a newer block may own it.
     """
 
-    def __init__(self, groups: int, width: int) -> None:
+    def __init__(self, groups: int, width: int, rings: np.ndarray[Any, Any] | None = None) -> None:
         self.groups, self.width = groups, width
+        self.rings = rings if rings is not None else np.full(groups, NOT_A_RING, np.int32)
+        self._ring_groups = [g for g in range(groups) if self.rings[g] < width]
         self.capacity = 0
         self.tables = np.zeros((groups, 1, width), np.int32)
         self.ints = np.zeros((1, SAMPLING_INTS), np.int32)
@@ -128,16 +176,20 @@ class SequenceRows:
         most = max(edit[0] for edit in edits) + 1
         if most > self.capacity:
             self._grow(max(2 * self.capacity, most))
-        tables = self.tables
-        for slot, group, block, page in edits:  # in order: a later edit of an entry wins
-            tables[group, slot + 1, block] = page
+        tables, rings = self.tables, self.rings
+        # In order: a later edit of an entry wins. Only growth logs a page into a
+        # sliding group (its newest block), so a ring entry is never given back
+        # to an older block.
+        for slot, group, block, page in edits:
+            ring = rings[group]
+            if ring >= self.width:
+                tables[group, slot + 1, block] = page
+            elif page:
+                tables[group, slot + 1, block % ring] = page
         edits.clear()
 
     def _write_tables(self, row: int, seq: Sequence, version: int) -> None:
-        blocks = seq.num_blocks
-        self.tables[:, row, blocks:] = 0
-        if blocks:
-            self.tables[:, row, :blocks] = seq.tables
+        write_table_row(self.tables[:, row], seq, self.rings, self._ring_groups)
         self.stamps[row] = version
 
     def _write_sampling(self, row: int, params: SamplingParams) -> None:
@@ -169,19 +221,24 @@ def build_step_batch(
     num_tokens: int,
     num_seqs: int,
     width: int,
+    ring: int = 0,
 ) -> StepBatch:
     """Arrays for computing ``n`` more tokens of each sequence (pages allocated).
 
-    ``num_tokens``, ``num_seqs`` and ``width`` are the padded bucket sizes.
+    ``num_tokens``, ``num_seqs`` and ``width`` are the padded bucket sizes;
+    ``ring``: the sliding groups' table entries (0: full tables).
     """
+    rings = group_rings(layout, ring)
+    ring_groups = [g for g in range(layout.num_groups) if rings[g] < width]
     tables = np.zeros((layout.num_groups, num_seqs, width), np.int32)
     for row, (seq, _) in enumerate(work):
-        if seq.num_blocks:
-            tables[:, row, : seq.num_blocks] = seq.tables
+        write_table_row(tables[:, row], seq, rings, ring_groups)
     tokens = [t for seq, n in work for t in seq.tokens[seq.num_computed : seq.num_computed + n]]
     starts = [seq.num_computed for seq, _ in work]
     lengths = [n for _, n in work]
-    return assemble_step_batch(tokens, starts, lengths, tables, layout.block_size, num_tokens)
+    return assemble_step_batch(
+        tokens, starts, lengths, tables, layout.block_size, num_tokens, rings
+    )
 
 
 def assemble_step_batch(
@@ -191,17 +248,20 @@ def assemble_step_batch(
     tables: np.ndarray[Any, Any],
     block_size: int,
     num_tokens: int,
+    rings: np.ndarray[Any, Any] | None = None,
 ) -> StepBatch:
     """A StepBatch from a step's flattened tokens, each sequence's first
     position and token count, and its block tables ``[G, S, W]`` (row i for
-    sequence i). Padding tokens write into the null page and, when a spare row
-    exists, read an all-null table row; their outputs are never used."""
+    sequence i; ``rings``: each group's ring modulus, see ``group_rings``).
+    Padding tokens have position -1 (attention gives them nothing to see),
+    write into the null page and, when a spare row exists, point at an
+    all-null table row; their outputs are never used."""
     num_seqs = tables.shape[1]
     count = len(lengths)
     total = len(tokens)
     token_array = np.zeros(num_tokens, np.int32)
     token_array[:total] = tokens
-    positions = np.zeros(num_tokens, np.int32)
+    positions = np.full(num_tokens, -1, np.int32)
     seq_index = np.full(num_tokens, count if count < num_seqs else 0, np.int32)
     if total == count:  # all decodes: one token each
         positions[:count] = starts
@@ -217,7 +277,8 @@ def assemble_step_batch(
             - first
         )
         seq_index[:total] = np.repeat(np.arange(count, dtype=np.int32), length_array)
-    write_pages = tables[:, seq_index, positions // block_size]  # [Gp, T]
+    blocks = np.maximum(positions, 0) // block_size
+    write_pages = _write_pages(tables, seq_index, blocks, rings)  # [Gp, T]
     write_pages[:, total:] = 0  # padding writes into the null page
     sample_index = np.zeros(num_seqs, np.int32)
     sample_index[:count] = ends
@@ -226,7 +287,7 @@ def assemble_step_batch(
         positions=positions,
         seq_index=seq_index,
         write_pages=write_pages,
-        write_offsets=positions % block_size,
+        write_offsets=np.maximum(positions, 0) % block_size,
         tables=tables,
         sample_index=sample_index,
     )
@@ -238,6 +299,7 @@ def pack_decode_step(
     tables: np.ndarray[Any, Any],
     block_size: int,
     num_tokens: int,
+    rings: np.ndarray[Any, Any] | None = None,
 ) -> np.ndarray[Any, Any]:
     """``pack(assemble_step_batch(...))`` for a step of decodes only (one token
     per sequence, sequence i's at row i), written straight into the flat buffer.
@@ -252,12 +314,13 @@ def pack_decode_step(
     flat = np.zeros(4 * t + groups * t + groups * num_seqs * width + num_seqs, np.int32)
     rows = np.arange(count, dtype=np.int32)
     flat[:count] = tokens  # tokens
+    flat[t + count : 2 * t] = -1  # padding positions
     flat[t : t + count] = starts  # positions
     if count < num_seqs:
         flat[2 * t + count : 3 * t] = count  # padding reads the null row after the last
     flat[2 * t : 2 * t + count] = rows  # seq_index
     pages = flat[3 * t : 3 * t + groups * t].reshape(groups, t)
-    pages[:, :count] = tables[:, rows, starts // block_size]  # write_pages
+    pages[:, :count] = _write_pages(tables, rows, starts // block_size, rings)  # write_pages
     at = 3 * t + groups * t
     flat[at : at + count] = starts % block_size  # write_offsets
     at += t
@@ -265,6 +328,19 @@ def pack_decode_step(
     at += tables.size
     flat[at : at + count] = rows  # sample_index
     return flat
+
+
+def _write_pages(
+    tables: np.ndarray[Any, Any],
+    rows: np.ndarray[Any, Any],
+    blocks: np.ndarray[Any, Any],
+    rings: np.ndarray[Any, Any] | None,
+) -> np.ndarray[Any, Any]:
+    """The page of each token's block in every group ``[G, T]``, through rings."""
+    if rings is None:
+        return tables[:, rows, blocks]  # type: ignore[no-any-return]
+    groups = np.arange(tables.shape[0])[:, None]
+    return tables[groups, rows[None, :], blocks[None, :] % rings[:, None]]  # type: ignore[no-any-return]
 
 
 def pack(arrays: Iterable[Any]) -> np.ndarray[Any, Any]:

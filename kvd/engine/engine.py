@@ -9,6 +9,7 @@ step). ``Engine.generate`` is a small continuous-batching loop for one-shot use
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 from collections.abc import Callable
@@ -30,9 +31,11 @@ from kvd.engine.batching import (
     assemble_step_batch,
     batch_shapes,
     bucket,
+    group_rings,
     pack,
     pack_decode_step,
     powers_of_two,
+    sliding_ring,
     unpack,
 )
 from kvd.engine.loader import LoadedModel
@@ -134,6 +137,16 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc only): compiling
+    leaves hundreds of MB of freed but resident memory behind."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 class Engine:
     TENANT = "local"
 
@@ -150,7 +163,13 @@ class Engine:
         pages = cfg.pool_tokens // cfg.block_size * self.layout.num_groups + 1
         self.kv = KVManager(self.layout, pages, mode=BudgetMode.FREE)
         self.kv.set_tenant(self.TENANT, TenantBudget())
-        self.spec = EngineSpec.build(model.config, self.layout)
+        max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
+        # Sliding groups' tables are rings over what one step can see; none
+        # when that is the whole context anyway.
+        ring = sliding_ring(self.layout, cfg.max_num_batched_tokens)
+        self.sliding_ring = ring if ring < max_blocks else 0
+        self.rings = group_rings(self.layout, self.sliding_ring)
+        self.spec = EngineSpec.build(model.config, self.layout, self.sliding_ring)
         params = prepare_params(self.spec, model.params) if cfg.scan_layers else model.params
         elements = self.layout.page_bytes // jnp.dtype(kv_dtype).itemsize
         pool = jnp.zeros((pages, elements), jnp.dtype(kv_dtype))
@@ -173,7 +192,11 @@ class Engine:
         else:
             self.params = jax.device_put(params)
             self.pool = pool
-        max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
+        if not cfg.scan_layers:
+            # The device holds the weights now: let the host copy go (on CPU it
+            # is a second gigabyte for the 270M in f32). Engines built later
+            # from this model share the device arrays.
+            model.params = self.params
         # Shapes: the body compiles per (tokens, block-table width); the head and
         # sampling per number of sequences, so a lone decode pays for one row of
         # logits, not for the widest batch.
@@ -182,9 +205,15 @@ class Engine:
         # 24.5 ms in a 4-token one.)
         self.token_buckets = powers_of_two(2, max(2, cfg.max_num_batched_tokens))
         self.seq_buckets = powers_of_two(1, cfg.max_num_seqs)
-        self.block_buckets = tuple(
-            sorted({max(1, max_blocks // 16), max(1, max_blocks // 4), max_blocks})
-        )
+        # The reference attention's cost follows the live keys whatever the
+        # tables' width, so it compiles one width (each program costs ~0.1 GB of
+        # resident code on XLA:CPU); the kernel's grid walks the whole table, so
+        # it gets narrower buckets. Every width holds a sliding ring: those
+        # tables are its first entries.
+        widths: tuple[int, ...] = (max_blocks,)
+        if self.spec.attention != "reference":
+            widths = (max_blocks // 16, max_blocks // 4, max_blocks)
+        self.block_buckets = tuple(sorted({max(1, self.sliding_ring, b) for b in widths}))
         # With tensor parallelism the programs are compiled for the mesh. Their
         # inputs carry their shardings (weights and pool are placed above, host
         # buffers are put replicated by ``_put``: jit does not take
@@ -225,7 +254,7 @@ class Engine:
         self.late_compiles = 0  # programs compiled after warm_up(): a bucketing bug
         self.device_seconds = 0.0  # time in device programs and their results, all steps
         self._warm = False
-        self._rows = SequenceRows(self.layout.num_groups, max_blocks)
+        self._rows = SequenceRows(self.layout.num_groups, max_blocks, self.rings)
         self._table_edits = self.kv.log_table_edits()
         tokenizer = model.tokenizer
         # EOS and end-of-turn end every generation (no tokenizer: a bare model in tests).
@@ -312,6 +341,7 @@ class Engine:
             self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
         if progress is not None:
             progress(total, total, f"swap copies: up to {self.page_buckets[-1]} pages")
+        _release_free_heap()
         self._warm = True
         return time.perf_counter() - start
 
@@ -393,7 +423,7 @@ class Engine:
         tables = cache.tables[:, rows, :width]
         if decodes:  # each computes its newest token: the most common step by far
             flat = pack_decode_step(
-                block[LAST_TOKEN], starts, tables, self.layout.block_size, tokens_bucket
+                block[LAST_TOKEN], starts, tables, self.layout.block_size, tokens_bucket, self.rings
             )
             ends = starts + 1
         else:
@@ -403,7 +433,7 @@ class Engine:
                 for t in seq.tokens[start : start + n]
             ]
             batch = assemble_step_batch(
-                tokens, starts, counts, tables, self.layout.block_size, tokens_bucket
+                tokens, starts, counts, tables, self.layout.block_size, tokens_bucket, self.rings
             )
             flat = pack(batch)
             ends = batch.positions[batch.sample_index[:count]] + 1

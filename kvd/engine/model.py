@@ -53,9 +53,12 @@ class EngineSpec(msgspec.Struct, frozen=True):
     layer_places: tuple[tuple[int, int], ...]  # per layer: (page group, slot in page)
     group_slots: tuple[int, ...]  # layer slots per page, per page group
     attention: str = "reference"  # see kvd.engine.attention.resolve_attention
+    # Entries of a sliding group's table, a ring (kvd.engine.batching.sliding_ring);
+    # 0: sliding tables are as wide as global ones.
+    sliding_ring: int = 0
 
     @classmethod
-    def build(cls, config: ModelConfig, layout: PageLayout) -> EngineSpec:
+    def build(cls, config: ModelConfig, layout: PageLayout, sliding_ring: int = 0) -> EngineSpec:
         places = tuple(layout.group_of_layer(i) for i in range(config.num_layers))
         return cls(
             config,
@@ -63,6 +66,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
             places,
             tuple(g.slots for g in layout.groups),
             resolve_attention(),
+            sliding_ring,
         )
 
     def slots_of(self, kind: AttentionKind) -> int:
@@ -170,17 +174,25 @@ def _attention_block(
     pages, offsets = batch.write_pages[place.group], batch.write_offsets
     view = view.at[pages, place.slot, 0, offsets].set(k.astype(view.dtype))
     view = view.at[pages, place.slot, 1, offsets].set(v.astype(view.dtype))
+    tables, ring = batch.tables[place.group], None
+    if spec.sliding_ring:
+        if len(ropes) == 1:  # ``kind`` is this layer's: the ring is the table
+            if kind is AttentionKind.SLIDING:
+                tables = tables[:, : spec.sliding_ring]
+        else:  # scanned layers of both kinds: the kind is traced, so is the ring
+            ring = jnp.where(place.is_global, tables.shape[1], spec.sliding_ring)
     out = attend(
         spec.attention,
         q,
         view,
         place.slot,
-        batch.tables[place.group],
+        tables,
         batch.seq_index,
         batch.positions,
         scale=cfg.query_scale,
         window=place.window,
         softcap=cfg.attn_logit_softcap,
+        ring=ring,
     )  # [T, N, H]
     return out.reshape(num_tokens, -1) @ p["o"], view.reshape(pool.shape)
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvd.engine.batching import bucket, build_step_batch, powers_of_two
+from kvd.engine.batching import bucket, build_step_batch, powers_of_two, sliding_ring
 from kvd.engine.model import EngineSpec, forward
 from kvd.kv import BudgetMode, KVManager, TenantBudget, build_layout
 from tests.engine.conftest import TinyModel, hf_logits
@@ -26,7 +26,9 @@ class Harness:
         self.layout = build_layout(model.config.kv_geometry("float32"), BLOCK)
         self.kv = KVManager(self.layout, pages, mode=BudgetMode.FREE)
         self.kv.set_tenant("t", TenantBudget())
-        spec = EngineSpec.build(model.config, self.layout)
+        # Sliding tables as the engine has them: rings over a window plus a step.
+        self.ring = sliding_ring(self.layout, 64)
+        spec = EngineSpec.build(model.config, self.layout, self.ring)
         self.params = jax.device_put(model.params)
         self.pool = jnp.zeros((pages, self.layout.page_bytes // 4), jnp.float32)
         self._forward = jax.jit(lambda p, pool, b: forward(spec, p, pool, b))
@@ -35,8 +37,9 @@ class Harness:
         """Logits of every scheduled token (not only the last of each sequence)."""
         total = sum(n for _, n in work)
         tokens = bucket(total, powers_of_two(8, 256))
-        width = bucket(max(seq.num_blocks for seq, _ in work), powers_of_two(4, 64))
-        batch = build_step_batch(work, self.layout, tokens, tokens, width)
+        blocks = max(self.ring, *(seq.num_blocks for seq, _ in work))
+        width = bucket(blocks, powers_of_two(4, 64))
+        batch = build_step_batch(work, self.layout, tokens, tokens, width, self.ring)
         batch = batch._replace(sample_index=jnp.arange(tokens, dtype=jnp.int32))
         logits, self.pool = self._forward(self.params, self.pool, batch)
         for seq, n in work:

@@ -186,3 +186,24 @@ def test_chat_format(model: LoadedModel) -> None:
     assert text == (
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+def test_long_prompt_matches_transformers(model: LoadedModel, oracle: Any) -> None:
+    """A prompt of over 2,000 tokens, prefilled in 512-token chunks through ring
+    tables (the sliding layers' window is 512) and then decoded: greedy tokens
+    equal transformers' (which attends over the whole prompt at once)."""
+    text = "".join(f"Item {i}: the square of {i} is {i * i}.\n" for i in range(1, 112))
+    prompt = model.tokenizer.encode(text)
+    assert len(prompt) > 2000
+    config = EngineConfig(
+        max_model_len=2560, max_num_batched_tokens=512, max_num_seqs=2, pool_tokens=2816
+    )
+    engine = Engine(model, config)
+    assert 0 < engine.sliding_ring < 2560 // config.block_size
+    result = engine.generate([prompt], [greedy(16)])[0]
+    with torch.no_grad():
+        out = oracle.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    assert result.completion_ids == out[0, len(prompt) :].tolist()[: len(result.completion_ids)]
+    assert len(result.completion_ids) == 16 or result.finish_reason == "stop"
+    engine.kv.check_invariants()
+    assert engine.kv.pool.num_referenced() == 0

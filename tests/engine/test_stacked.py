@@ -28,5 +28,7 @@ def test_scan_matches_unrolled(tiny3: TinyModel) -> None:
         pool = jnp.zeros((64, layout.page_bytes // 4), jnp.float32)
         hidden, pool = jax.jit(lambda p, pool, b: body(spec, p, pool, b))(params, pool, batch)
         outputs.append((np.asarray(hidden[:30]), np.asarray(pool)))
-    np.testing.assert_allclose(outputs[0][0], outputs[1][0], atol=1e-5, rtol=0)
+    # Hidden states reach ~16 here: the two programs fuse differently, so they
+    # agree to f32 round-off relative to that, not to 1e-5 absolute.
+    np.testing.assert_allclose(outputs[0][0], outputs[1][0], atol=3e-5, rtol=1e-5)
     np.testing.assert_allclose(outputs[0][1], outputs[1][1], atol=1e-5, rtol=0)

@@ -134,3 +134,23 @@ def test_lowers_for_tpu_without_a_tpu(head_dim: int, kv_heads: int, heads: int, 
         .lower(lowering_platforms=("tpu",))
     )
     assert "tpu_custom_call" in lowered.as_text()
+
+
+@pytest.mark.parametrize(("window", "chunk"), [(10, 1), (10, 7), (6, 13)])
+def test_kernel_walks_ring_tables_and_skips_padding(window: int, chunk: int) -> None:
+    """Sliding tables as rings (window plus a step's chunk), padding tokens
+    (position -1): the kernel and the reference agree, padding gives zeros."""
+    from tests.engine.test_attention import BLOCK, build
+
+    ring = -(-(window - 1 + chunk) // BLOCK) + 1
+    for cached in (0, 9, 40):
+        rng = np.random.default_rng(cached + chunk)
+        args, _ = build(
+            rng, [(cached, chunk), (cached + 3, 1)], ring=ring, window=window, padding=3,
+            spare_rows=1, head_dim=128,
+        )  # fmt: skip
+        args = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in args.items()}
+        expected = paged_attention(**args, scale=0.2, window=window, softcap=None)
+        got = ragged_paged_attention(**args, scale=0.2, window=window, softcap=None, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+        assert np.all(np.asarray(got)[-3:] == 0)

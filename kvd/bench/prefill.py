@@ -1,0 +1,238 @@
+"""``kvd bench prefill``: prompt processing at growing lengths, and decode at a
+long context against a short one, with transformers as the baseline in the
+same run.
+
+The engine is configured as the dev daemon is (``max_model_len`` 4096, 512
+tokens per step, 32 sequences, a 1 GiB pool), so a long prompt is chunked as
+the daemon chunks it. Each prompt is new to the prefix cache. Peak RSS is sampled while
+each prompt runs (the process's resident set, weights and pool included), so
+the growth from one length to the next is what a longer prompt costs in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvd.bench.decode import gemm_roofline
+from kvd.bench.kv import machine_description
+
+
+class PrefillFigures(msgspec.Struct, frozen=True):
+    system: str
+    prompt_tokens: int
+    seconds: float
+    tokens_per_s: float
+    peak_rss_gib: float | None = None
+
+
+class LongDecodeFigures(msgspec.Struct, frozen=True):
+    batch: int
+    context: int
+    decode_tokens_per_s: float
+
+
+class PrefillReport(msgspec.Struct, frozen=True):
+    machine: str
+    model: str
+    dtype: str
+    max_model_len: int
+    max_num_batched_tokens: int
+    gemm_gflops: float
+    warm_up_s: float
+    idle_rss_gib: float
+    kvd: list[PrefillFigures]
+    transformers: list[PrefillFigures]
+    decode: list[LongDecodeFigures]
+    late_compiles: int
+    transformers_note: str | None = None
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextmanager
+def peak_rss() -> Iterator[list[int]]:
+    """Samples the resident set every 10 ms while the block runs; yields a
+    one-element list that holds the peak when the block ends."""
+    peak = [_rss_bytes()]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.01):
+            peak[0] = max(peak[0], _rss_bytes())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        thread.join()
+        peak[0] = max(peak[0], _rss_bytes())
+
+
+def _prompt(length: int, vocab: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [2, *rng.integers(1000, min(vocab, 200_000), length - 1).tolist()]
+
+
+GIB = float(1 << 30)
+
+
+def run_prefill_bench(
+    lengths: tuple[int, ...] = (128, 512, 600, 2048, 4000),
+    decode_batches: tuple[int, ...] = (1, 8),
+    decode_contexts: tuple[int, int] = (128, 4000),
+    new_tokens: int = 32,
+    dtype: str = "float32",
+    baseline: bool = True,
+    say: Callable[[str], None] = lambda _text: None,
+    pool_bytes: int = 1 << 30,
+) -> PrefillReport:
+    from kvd.engine.engine import Engine, EngineConfig
+    from kvd.engine.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model
+    from kvd.engine.sampling import SamplingParams
+    from kvd.kv.layout import build_layout
+
+    say("measuring the GEMM roofline")
+    roofline = gemm_roofline()
+    say(f"loading {EMBEDDED_MODEL}")
+    model = load_model(EMBEDDED_MODEL, dtype)
+    vocab = model.config.vocab_size
+    longest = max(*lengths, decode_contexts[1])
+    # The dev daemon's pool: 1 GiB, in tokens per page group as the daemon sizes it.
+    layout = build_layout(model.config.kv_geometry(dtype), 16)
+    blocks = pool_bytes // layout.page_bytes // layout.num_groups
+    config = EngineConfig(
+        dtype=dtype,
+        max_model_len=4096,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        pool_tokens=blocks * 16,
+    )
+    if longest + new_tokens >= config.max_model_len:
+        raise ValueError(f"{longest} tokens plus {new_tokens} new exceed the 4096-token context")
+    engine = Engine(model, config)
+    say("compiling")
+    warm = engine.warm_up(lambda done, total, what: say(f"  [{done}/{total}] {what}"))
+    idle = _rss_bytes()
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    ours: list[PrefillFigures] = []
+    for length in lengths:
+        prompt = _prompt(length, vocab, seed=length)
+        engine.kv.flush_cache()
+        with peak_rss() as peak:
+            start = time.perf_counter()
+            engine.generate([prompt], [one])
+            seconds = time.perf_counter() - start
+        ours.append(PrefillFigures("kvd", length, seconds, length / seconds, peak[0] / GIB))
+        say(f"kvd prefill {length}: {length / seconds:.1f} tok/s, peak RSS {peak[0] / GIB:.2f} GiB")
+    decode: list[LongDecodeFigures] = []
+    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    for batch in decode_batches:
+        for context in decode_contexts:
+            prompts = [_prompt(context, vocab, seed=context * 100 + i) for i in range(batch)]
+            engine.kv.flush_cache()
+            start = time.perf_counter()
+            results = engine.generate(prompts, [greedy] * batch)
+            total = time.perf_counter() - start
+            ttft = max(r.first_token_s or 0.0 for r in results)
+            produced = sum(len(r.completion_ids) - 1 for r in results)
+            decode.append(LongDecodeFigures(batch, context, produced / (total - ttft)))
+            rate = decode[-1].decode_tokens_per_s
+            say(f"kvd decode batch {batch} at context {context}: {rate:.1f} tok/s")
+    late = engine.late_compiles
+    del engine
+    theirs: list[PrefillFigures] = []
+    note = None
+    if baseline:
+        try:
+            theirs = _transformers_prefill(embedded_gguf_path(), lengths, vocab, say)
+        except ImportError:
+            note = "transformers is not installed (pip install 'kvd[test]'): no baseline"
+    return PrefillReport(
+        machine=machine_description(),
+        model=EMBEDDED_MODEL,
+        dtype=dtype,
+        max_model_len=config.max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        gemm_gflops=roofline,
+        warm_up_s=warm,
+        idle_rss_gib=idle / GIB,
+        kvd=ours,
+        transformers=theirs,
+        decode=decode,
+        late_compiles=late,
+        transformers_note=note,
+    )
+
+
+def _transformers_prefill(
+    gguf: Any, lengths: tuple[int, ...], vocab: int, say: Callable[[str], None]
+) -> list[PrefillFigures]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    say("loading the transformers baseline (f32)")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    figures = []
+    for length in lengths:
+        ids = torch.tensor([_prompt(length, vocab, seed=length)])
+        with torch.no_grad():
+            start = time.perf_counter()
+            model(ids, logits_to_keep=1)  # one forward over the prompt, the last row's logits
+            seconds = time.perf_counter() - start
+        figures.append(PrefillFigures("transformers", length, seconds, length / seconds))
+        say(f"transformers prefill {length}: {length / seconds:.1f} tok/s")
+    return figures
+
+
+def render(report: PrefillReport) -> str:
+    lines = [
+        f"kvd bench prefill: {report.model} ({report.dtype}), max_model_len "
+        f"{report.max_model_len}, {report.max_num_batched_tokens} tokens per step",
+        f"machine: {report.machine}; f32 GEMM roofline {report.gemm_gflops:.1f} GFLOP/s; "
+        f"kvd warm-up {report.warm_up_s:.1f}s; idle RSS {report.idle_rss_gib:.2f} GiB; "
+        f"compiles after warm-up: {report.late_compiles}",
+        "",
+        f"{'system':<13} {'prompt':>7} {'seconds':>8} {'tok/s':>8} {'vs HF':>7} "
+        f"{'peak RSS GiB':>13}",
+    ]
+    base = {f.prompt_tokens: f for f in report.transformers}
+    for f in [*report.kvd, *report.transformers]:
+        other = base.get(f.prompt_tokens)
+        ratio = f"{f.tokens_per_s / other.tokens_per_s:.2f}x" if other else "-"
+        rss = f"{f.peak_rss_gib:.2f}" if f.peak_rss_gib is not None else "-"
+        lines.append(
+            f"{f.system:<13} {f.prompt_tokens:>7} {f.seconds:>8.2f} {f.tokens_per_s:>8.1f} "
+            f"{ratio:>7} {rss:>13}"
+        )
+    by_length = {f.prompt_tokens: f.tokens_per_s for f in report.kvd}
+    if 512 in by_length and max(by_length) > 512:
+        longest = max(by_length)
+        lines.append(
+            f"kvd tok/s at {longest} tokens / at 512: {by_length[longest] / by_length[512]:.2f}"
+        )
+    if report.decode:
+        lines += ["", f"{'decode batch':>12} {'context':>8} {'tok/s':>8} {'vs shortest':>12}"]
+        for d in report.decode:
+            short = min((e for e in report.decode if e.batch == d.batch), key=lambda e: e.context)
+            speedup = d.decode_tokens_per_s / short.decode_tokens_per_s
+            lines.append(
+                f"{d.batch:>12} {d.context:>8} {d.decode_tokens_per_s:>8.1f} {speedup:>11.2f}x"
+            )
+    if report.transformers_note:
+        lines.append(report.transformers_note)
+    return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""The reference paged attention against a plain numpy oracle: ragged batches
+of lone tokens and long runs, windows, ring tables, padding, soft-cap, GQA."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvd.engine import attention  # noqa: E402
+from kvd.engine.attention import paged_attention  # noqa: E402
+
+BLOCK = 4
+
+
+@pytest.fixture(autouse=True, params=["tiles", "lone-tokens"])
+def tiling(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case both ways: runs of tokens as shared query tiles, and (as small
+    steps do) every token as a tile of its own."""
+    monkeypatch.setattr(attention, "LONE_ONLY", 0 if request.param == "tiles" else 10**6)
+
+
+def oracle(
+    q: np.ndarray,
+    keys: list[np.ndarray],  # per sequence: [positions, K, H]
+    values: list[np.ndarray],
+    seq_index: np.ndarray,
+    positions: np.ndarray,
+    *,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> np.ndarray:
+    """Attention written out token by token, in float64."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = np.zeros((num_tokens, num_heads, head_dim))
+    for t in range(num_tokens):
+        pos = int(positions[t])
+        if pos < 0:
+            continue
+        k, v = keys[seq_index[t]], values[seq_index[t]]
+        group = num_heads // k.shape[1]
+        lo = 0 if window is None else max(0, pos - window + 1)
+        for h in range(num_heads):
+            kv = h // group
+            scores = k[lo : pos + 1, kv] @ q[t, h] * scale
+            if softcap is not None:
+                scores = np.tanh(scores / softcap) * softcap
+            probs = np.exp(scores - scores.max())
+            out[t, h] = probs @ v[lo : pos + 1, kv] / probs.sum()
+    return out
+
+
+def build(
+    rng: np.random.Generator,
+    runs: list[tuple[int, int]],  # per sequence: (tokens already cached, tokens this step)
+    *,
+    ring: int | None,
+    window: int | None,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    slots: int = 2,
+    slot: int = 1,
+    padding: int = 0,
+    spare_rows: int = 0,
+    min_pages: int = 0,
+) -> tuple[dict[str, object], tuple[list[np.ndarray], list[np.ndarray]]]:
+    """Pages filled with each sequence's keys through (ring) tables, as the
+    engine lays them out: a ring keeps only the blocks one step can see."""
+    lengths = [cached + new for cached, new in runs]
+    width = ring if ring is not None else max(-(-n // BLOCK) for n in lengths)
+    pages = max(min_pages, 1 + sum(-(-n // BLOCK) for n in lengths) + 3)
+    view = rng.standard_normal((pages, slots, 2, BLOCK, kv_heads, head_dim)).astype(np.float32)
+    view[0] = 0.0
+    free = list(rng.permutation(np.arange(1, pages)))
+    rows = len(runs) + spare_rows
+    tables = np.zeros((rows, width), np.int32)
+    keys, values = [], []
+    for s, (cached, new) in enumerate(runs):
+        n = cached + new
+        blocks = -(-n // BLOCK)
+        k = rng.standard_normal((n, kv_heads, head_dim)).astype(np.float32)
+        v = rng.standard_normal((n, kv_heads, head_dim)).astype(np.float32)
+        first_needed = 0 if window is None else max(0, cached - window + 1) // BLOCK
+        for b in range(blocks):
+            page = free.pop()
+            view[page, slot, 0, : min(BLOCK, n - b * BLOCK)] = k[b * BLOCK : (b + 1) * BLOCK]
+            view[page, slot, 1, : min(BLOCK, n - b * BLOCK)] = v[b * BLOCK : (b + 1) * BLOCK]
+            if b >= first_needed or ring is None:
+                tables[s, b % width] = page
+        keys.append(k)
+        values.append(v)
+    seq_index = [s for s, (_, new) in enumerate(runs) for _ in range(new)]
+    positions = [p for cached, new in runs for p in range(cached, cached + new)]
+    seq_index += [len(runs) if spare_rows else 0] * padding
+    positions += [-1] * padding
+    q = rng.standard_normal((len(positions), heads, head_dim)).astype(np.float32)
+    args = {
+        "q": q,
+        "view": view,
+        "slot": slot,
+        "tables": tables,
+        "seq_index": np.asarray(seq_index, np.int32),
+        "positions": np.asarray(positions, np.int32),
+    }
+    return args, (keys, values)
+
+
+def check(
+    runs: list[tuple[int, int]],
+    *,
+    window: int | None,
+    ring: int | None = None,
+    softcap: float | None = None,
+    padding: int = 0,
+    spare_rows: int = 0,
+    seed: int = 0,
+    kv_heads: int = 2,
+) -> None:
+    rng = np.random.default_rng(seed)
+    args, (keys, values) = build(
+        rng, runs, ring=ring, window=window, padding=padding, spare_rows=spare_rows,
+        kv_heads=kv_heads,
+    )  # fmt: skip
+    got = paged_attention(
+        **{k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in args.items()},
+        scale=0.3,
+        window=window,
+        softcap=softcap,
+    )
+    expected = oracle(
+        args["q"], keys, values, args["seq_index"], args["positions"],  # type: ignore[arg-type]
+        scale=0.3, window=window, softcap=softcap,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [(0, 1)],
+        [(5, 1), (16, 1), (31, 1), (47, 1)],  # decodes
+        [(0, 37)],  # a prefill over several query tiles
+        [(0, 5), (16, 1), (3, 40), (40, 1), (90, 17)],  # mixed: lone tokens and runs
+        [(200, 33), (7, 1)],  # a chunk deep into a long context
+    ],
+)
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (9, None), (20, 5.0)])
+def test_matches_the_oracle(runs: list[tuple[int, int]], window: int | None, softcap: float | None):
+    check(runs, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 40])
+def test_ring_tables_hold_only_the_window(chunk_tokens: int) -> None:
+    """A sliding layer's table is a ring of ceil((window - 1 + chunk) / block) + 1
+    entries: a step's queries see every key they need, wherever the ring wrapped."""
+    window = 10
+    ring = -(-(window - 1 + chunk_tokens) // BLOCK) + 1
+    for cached in (0, 3, 17, 64, 101):
+        check([(cached, chunk_tokens), (cached + 5, 1)], window=window, ring=ring, seed=cached)
+
+
+def test_padding_outputs_zero_and_changes_nothing() -> None:
+    for spare_rows in (0, 1):  # padding aliases row 0 when every row is used
+        check([(3, 6), (9, 1)], window=None, padding=7, spare_rows=spare_rows)
+        rng = np.random.default_rng(1)
+        args, _ = build(rng, [(3, 6)], ring=None, window=None, padding=5, spare_rows=spare_rows)
+        out = paged_attention(**args, scale=1.0, window=None, softcap=None)  # type: ignore[arg-type]
+        assert np.all(np.asarray(out)[6:] == 0)
+
+
+def test_long_contexts_span_many_loop_iterations() -> None:
+    """More items than one iteration takes, for both tile classes (one
+    sequence of lone tokens, one long run), with a global and a sliding window."""
+    runs = [(600, 1), (333, 1), (1, 1), (450, 70)]
+    check(runs, window=None, kv_heads=1)
+    check(runs, window=100, kv_heads=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 80), st.integers(1, 40)), min_size=1, max_size=6),
+    window=st.one_of(st.none(), st.integers(1, 50)),
+    padding=st.integers(0, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_random_ragged_batches(
+    runs: list[tuple[int, int]], window: int | None, padding: int, seed: int
+) -> None:
+    check(runs, window=window, padding=padding, spare_rows=1, seed=seed)
+
+
+def test_one_compile_serves_every_context_length() -> None:
+    """The loop's trip count follows the live keys: no shape depends on them."""
+    traced = jax.jit(
+        lambda q, view, tables, seq_index, positions: paged_attention(
+            q, view, 1, tables, seq_index, positions, scale=0.3, window=None, softcap=None
+        )
+    )
+    rng = np.random.default_rng(2)
+    for cached in (0, 50, 190):
+        args, (keys, values) = build(
+            rng, [(cached, 9), (cached // 2, 1)], ring=64, window=None, min_pages=100
+        )
+        names = ("q", "view", "tables", "seq_index", "positions")
+        got = traced(*(jnp.asarray(args[k]) for k in names))  # type: ignore[arg-type]
+        expected = oracle(
+            args["q"], keys, values, args["seq_index"], args["positions"],  # type: ignore[arg-type]
+            scale=0.3, window=None, softcap=None,
+        )  # fmt: skip
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5)
+    assert traced._cache_size() == 1
