@@ -269,15 +269,34 @@ def bench_prefill(
 @click.option("--duration", type=click.FloatRange(min=1), default=60.0, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--no-inprocess", is_flag=True, help="Skip the in-process comparison run.")
+@click.option(
+    "--system-prompt-rules",
+    type=click.IntRange(min=0, max=40),
+    default=0,
+    show_default=True,
+    help="A shared system prompt of this many ~18-token rules before each (then unique) prompt.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_http(
-    model: str, clients: int, duration: float, max_tokens: int, no_inprocess: bool, as_json: bool
+    model: str,
+    clients: int,
+    duration: float,
+    max_tokens: int,
+    no_inprocess: bool,
+    system_prompt_rules: int,
+    as_json: bool,
 ) -> None:
     """Load a real daemon over loopback HTTP; compare with the in-process scheduler."""
     from kvd.bench.http import render, run_http_load
 
     report = run_http_load(
-        model, clients, duration, max_tokens, not no_inprocess, lambda t: click.echo(t, err=True)
+        model,
+        clients,
+        duration,
+        max_tokens,
+        not no_inprocess,
+        lambda t: click.echo(t, err=True),
+        system_prompt_rules,
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 

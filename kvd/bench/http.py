@@ -80,9 +80,18 @@ max_queue = {max(64, clients * 2)}
 """
 
 
-def prompts(count: int) -> list[str]:
+def prompts(count: int, system_words: int = 0) -> list[str]:
+    """Story requests, each after a shared system prompt of ``system_words``
+    rule sentences (~18 tokens each) when asked: a chatbot tenant's traffic."""
     topics = ["the sea", "a city at night", "mountains", "a library", "the first snow"]
-    return [f"Write a short story about {topics[i % len(topics)]} (#{i})." for i in range(count)]
+    system = "".join(
+        f"Rule {i}: answer questions of kind {i} politely and cite section {i} of the guide.\n"
+        for i in range(system_words)
+    )
+    return [
+        f"{system}Write a short story about {topics[i % len(topics)]} (#{i})."
+        for i in range(count)
+    ]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -112,6 +121,7 @@ async def _client(
     headers = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(timeout=120) as http:
         n = index
+        stride = max(1, len(texts) // 64)  # distinct prompts across clients when there are many
         while trio.current_time() < until:
             body = {
                 "model": "bench",
@@ -121,7 +131,7 @@ async def _client(
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            n += 1
+            n += stride
             sent = time.monotonic()
             last: float | None = None
             done = False
@@ -214,10 +224,12 @@ def run_http_load(
     max_tokens: int,
     inprocess: bool,
     log: Callable[[str], None],
+    system_prompt_rules: int = 0,
 ) -> LoadReport:
     import trio
 
-    texts = prompts(16)
+    # With a system prompt, every request is new after it (as users' questions are).
+    texts = prompts(4096, system_prompt_rules) if system_prompt_rules else prompts(16)
     max_model_len = 1024
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "bench.toml"

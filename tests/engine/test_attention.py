@@ -153,7 +153,7 @@ def check(
         [(200, 33), (7, 1)],  # a chunk deep into a long context
     ],
 )
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (9, None), (20, 5.0)])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (9, 5.0)])
 def test_matches_the_oracle(runs: list[tuple[int, int]], window: int | None, softcap: float | None):
     check(runs, window=window, softcap=softcap)
 
@@ -164,7 +164,7 @@ def test_ring_tables_hold_only_the_window(chunk_tokens: int) -> None:
     entries: a step's queries see every key they need, wherever the ring wrapped."""
     window = 10
     ring = -(-(window - 1 + chunk_tokens) // BLOCK) + 1
-    for cached in (0, 3, 17, 64, 101):
+    for cached in (0, 17, 101):
         check([(cached, chunk_tokens), (cached + 5, 1)], window=window, ring=ring, seed=cached)
 
 
@@ -185,7 +185,7 @@ def test_long_contexts_span_many_loop_iterations() -> None:
     check(runs, window=100, kv_heads=1)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     runs=st.lists(st.tuples(st.integers(0, 80), st.integers(1, 40)), min_size=1, max_size=6),
     window=st.one_of(st.none(), st.integers(1, 50)),
