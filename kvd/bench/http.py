@@ -89,8 +89,7 @@ def prompts(count: int, system_words: int = 0) -> list[str]:
         for i in range(system_words)
     )
     return [
-        f"{system}Write a short story about {topics[i % len(topics)]} (#{i})."
-        for i in range(count)
+        f"{system}Write a short story about {topics[i % len(topics)]} (#{i})." for i in range(count)
     ]
 
 
