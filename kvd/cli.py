@@ -276,6 +276,11 @@ def bench_prefill(
     show_default=True,
     help="A shared system prompt of this many ~18-token rules before each (then unique) prompt.",
 )
+@click.option(
+    "--max-model-len", type=click.IntRange(min=128), default=1024, show_default=True,
+    help="The daemon's context (4096 is the dev config's).",
+)  # fmt: skip
+@click.option("--pool", default="512MiB", show_default=True, help="The daemon's pool size.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_http(
     model: str,
@@ -284,6 +289,8 @@ def bench_http(
     max_tokens: int,
     no_inprocess: bool,
     system_prompt_rules: int,
+    max_model_len: int,
+    pool: str,
     as_json: bool,
 ) -> None:
     """Load a real daemon over loopback HTTP; compare with the in-process scheduler."""
@@ -297,6 +304,8 @@ def bench_http(
         not no_inprocess,
         lambda t: click.echo(t, err=True),
         system_prompt_rules,
+        max_model_len,
+        pool,
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 

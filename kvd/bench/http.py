@@ -47,11 +47,12 @@ class LoadReport(msgspec.Struct, frozen=True):
     ttft_p99_s: float
     itl_p50_s: float
     itl_p99_s: float
+    daemon_peak_rss_gib: float | None = None
     inprocess_output_tokens_per_s: float | None = None
     http_vs_inprocess: float | None = None
 
 
-def _config(model: str, clients: int, max_model_len: int, admin_socket: str) -> str:
+def _config(model: str, clients: int, max_model_len: int, pool: str, admin_socket: str) -> str:
     import hashlib
 
     digest = hashlib.sha256(KEY.encode()).hexdigest()
@@ -71,7 +72,7 @@ max_num_seqs = 32
 max_num_batched_tokens = 512
 
 [pool]
-size = "512MiB"
+size = "{pool}"
 
 [[tenants]]
 name = "bench"
@@ -207,6 +208,18 @@ def _start_daemon(
     return proc, url, metrics_url
 
 
+def _peak_rss_gib(pid: int) -> float | None:
+    """The daemon's peak resident set so far (Linux: VmHWM)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 2**20, 2)
+    except OSError:
+        pass
+    return None
+
+
 def _used_pages(url: str) -> int:
     import httpx
 
@@ -224,15 +237,16 @@ def run_http_load(
     inprocess: bool,
     log: Callable[[str], None],
     system_prompt_rules: int = 0,
+    max_model_len: int = 1024,
+    pool: str = "512MiB",
 ) -> LoadReport:
     import trio
 
     # With a system prompt, every request is new after it (as users' questions are).
     texts = prompts(4096, system_prompt_rules) if system_prompt_rules else prompts(16)
-    max_model_len = 1024
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "bench.toml"
-        config.write_text(_config(model, clients, max_model_len, f"{tmp}/admin.sock"))
+        config.write_text(_config(model, clients, max_model_len, pool, f"{tmp}/admin.sock"))
         log(f"starting kvd serve ({model})")
         proc, url, metrics_url = _start_daemon(config, log)
         stats = _Stats()
@@ -250,6 +264,7 @@ def run_http_load(
             elapsed = trio.run(load)
             time.sleep(0.5)  # the metrics snapshot trails by < 0.3 s
             leaked = _used_pages(metrics_url)
+            peak_rss = _peak_rss_gib(proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
@@ -272,17 +287,24 @@ def run_http_load(
         ttft_p99_s=round(_percentile(stats.ttft, 0.99), 3),
         itl_p50_s=round(_percentile(stats.itl, 0.5), 4),
         itl_p99_s=round(_percentile(stats.itl, 0.99), 4),
+        daemon_peak_rss_gib=peak_rss,
     )
     if inprocess:
         log("the same workload in-process (Scheduler.step, no HTTP)")
-        rate = run_inprocess(model, clients, duration, max_tokens, max_model_len, texts)
+        rate = run_inprocess(model, clients, duration, max_tokens, max_model_len, pool, texts)
         report["inprocess_output_tokens_per_s"] = round(rate, 1)
         report["http_vs_inprocess"] = round(report["output_tokens_per_s"] / rate, 3)  # type: ignore[operator]
     return LoadReport(**report)  # type: ignore[arg-type]
 
 
 def run_inprocess(
-    model: str, clients: int, duration: float, max_tokens: int, max_model_len: int, texts: list[str]
+    model: str,
+    clients: int,
+    duration: float,
+    max_tokens: int,
+    max_model_len: int,
+    pool: str,
+    texts: list[str],
 ) -> float:
     """Output tokens/s of the scheduler alone on the HTTP run's workload:
     ``clients`` requests kept in flight for ``duration``, then drained."""
@@ -293,7 +315,7 @@ def run_inprocess(
         model=ModelSection(
             source=model, max_model_len=max_model_len, max_num_seqs=32, max_num_batched_tokens=512
         ),
-        pool=PoolSection(size="512MiB"),
+        pool=PoolSection(size=pool),
         tenants=[TenantEntry(name="bench", api_key_sha256="0" * 64, max_queue=clients * 2)],
     )
     loaded = load(config, lambda event, fields: None)
@@ -337,6 +359,7 @@ def render(report: LoadReport) -> str:
         f"output tokens/s {report.output_tokens_per_s}",
         f"TTFT p50 {report.ttft_p50_s} s, p99 {report.ttft_p99_s} s; "
         f"ITL p50 {report.itl_p50_s} s, p99 {report.itl_p99_s} s",
+        f"daemon peak RSS {report.daemon_peak_rss_gib} GiB",
     ]
     if report.inprocess_output_tokens_per_s is not None:
         lines.append(
