@@ -7,6 +7,9 @@ tokens per step, 32 sequences, a 1 GiB pool), so a long prompt is chunked as
 the daemon chunks it. Each prompt is new to the prefix cache. Peak RSS is sampled while
 each prompt runs (the process's resident set, weights and pool included), so
 the growth from one length to the next is what a longer prompt costs in memory.
+Decode tokens/s at a context counts the steps of decodes alone (their tokens
+over their wall time, host work included), so that the prefill of the batch's
+other prompts, which a long context makes long, does not blur it.
 """
 
 from __future__ import annotations
@@ -143,17 +146,10 @@ def run_prefill_bench(
         for context in decode_contexts:
             prompts = [_prompt(context, vocab, seed=context * 100 + i) for i in range(batch)]
             engine.kv.flush_cache()
-            # Prefill first (the prompts then sit in the prefix cache), so that
-            # the timed run's sequences all start decoding within a step or two:
-            # tokens decoded while others still prefill would flatter the rate.
-            engine.generate(prompts, [one] * batch)
-            start = time.perf_counter()
-            results = engine.generate(prompts, [greedy] * batch)
-            total = time.perf_counter() - start
-            ttft = max(r.first_token_s or 0.0 for r in results)
-            produced = sum(len(r.completion_ids) - 1 for r in results)
-            decode.append(LongDecodeFigures(batch, context, produced / (total - ttft)))
-            rate = decode[-1].decode_tokens_per_s
+            tokens, seconds = engine.decode_tokens, engine.decode_seconds
+            engine.generate(prompts, [greedy] * batch)
+            rate = (engine.decode_tokens - tokens) / (engine.decode_seconds - seconds)
+            decode.append(LongDecodeFigures(batch, context, rate))
             say(f"kvd decode batch {batch} at context {context}: {rate:.1f} tok/s")
     late = engine.late_compiles
     del engine

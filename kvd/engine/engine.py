@@ -253,6 +253,10 @@ class Engine:
         self._programs: dict[tuple[str, int, int], Any] = {}
         self.late_compiles = 0  # programs compiled after warm_up(): a bucketing bug
         self.device_seconds = 0.0  # time in device programs and their results, all steps
+        # Steps of decodes alone: their tokens and wall time (host work included),
+        # for decode throughput that no prefill in the same run can blur.
+        self.decode_tokens = 0
+        self.decode_seconds = 0.0
         self._warm = False
         self._rows = SequenceRows(self.layout.num_groups, max_blocks, self.rings)
         self._table_edits = self.kv.log_table_edits()
@@ -341,8 +345,8 @@ class Engine:
             self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
         if progress is not None:
             progress(total, total, f"swap copies: up to {self.page_buckets[-1]} pages")
-        _release_free_heap()
         self._first_runs(shapes)
+        _release_free_heap()
         self._warm = True
         return time.perf_counter() - start
 
@@ -417,6 +421,7 @@ class Engine:
         A sequence's sampling parameters are read when it first runs (only
         those entries of ``params`` are looked at) and kept for its life.
         """
+        entered = time.perf_counter()
         count = len(seqs)
         if count > self.config.max_num_seqs:
             raise EngineError(f"{count} sequences exceed max_num_seqs {self.config.max_num_seqs}")
@@ -466,6 +471,9 @@ class Engine:
             self.kv.commit_decodes(seqs, slots, block)
         else:
             self.kv.commit_batch(seqs, counts, slots)
+        if decodes:
+            self.decode_tokens += count
+            self.decode_seconds += time.perf_counter() - entered
         return sampled[:count], logprobs[:count], stopped[:count]
 
     # -- one-shot generation ---------------------------------------------------------
