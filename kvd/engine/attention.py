@@ -124,7 +124,9 @@ def paged_attention(
     seq_index = jnp.asarray(seq_index, jnp.int32)
     singles, multis, offset = _tile(seq_index, positions, num_rows, num_tokens > LONE_ONLY)
     block_size = view.shape[3]
-    attend_tiles = _tile_attention(q, view, slot, tables, ring, window, scale=scale, softcap=softcap)
+    attend_tiles = _tile_attention(
+        q, view, slot, tables, ring, window, scale=scale, softcap=softcap
+    )
     out_single = attend_tiles(singles, 1, SINGLE_ITEMS, max(1, KEY_CHUNK // block_size))
     out_multi = attend_tiles(  # [m, QUERY_TILE, N, H]
         multis, QUERY_TILE, TILE_ITEMS, max(1, TILE_KEY_CHUNK // block_size)

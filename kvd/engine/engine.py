@@ -147,6 +147,18 @@ def _release_free_heap() -> None:
         pass
 
 
+def _place_in_place(tree: Any) -> Any:
+    """Put every array of a nest of dicts and lists on the device, replacing
+    it where it was (so no one keeps the host copy alive); returns the nest."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for key, value in list(items):
+        if isinstance(value, dict | list):
+            _place_in_place(value)
+        else:
+            tree[key] = jax.device_put(value).block_until_ready()
+    return tree
+
+
 class Engine:
     TENANT = "local"
 
@@ -172,7 +184,10 @@ class Engine:
         self.spec = EngineSpec.build(model.config, self.layout, self.sliding_ring)
         params = prepare_params(self.spec, model.params) if cfg.scan_layers else model.params
         elements = self.layout.page_bytes // jnp.dtype(kv_dtype).itemsize
-        pool = jnp.zeros((pages, elements), jnp.dtype(kv_dtype))
+
+        def zero_pool() -> jax.Array:
+            return jnp.zeros((pages, elements), jnp.dtype(kv_dtype))
+
         self.mesh = None
         if cfg.tensor_parallel > 1:
             from kvd.engine import sharding
@@ -186,17 +201,21 @@ class Engine:
             everywhere = sharding.replicated(self.mesh)
             self.params = jax.device_put(params, param_sharding)
             pool_shape, pool_sharding = sharding.pool_layout(
-                model.config, pool.shape, cfg.tensor_parallel, self.mesh
+                model.config, (pages, elements), cfg.tensor_parallel, self.mesh
             )
-            self.pool = jax.device_put(pool.reshape(pool_shape), pool_sharding)
-        else:
+            self.pool = jax.device_put(zero_pool().reshape(pool_shape), pool_sharding)
+        elif cfg.scan_layers:
             self.params = jax.device_put(params)
-            self.pool = pool
-        if not cfg.scan_layers:
-            # The device holds the weights now: let the host copy go (on CPU it
-            # is a second gigabyte for the 270M in f32). Engines built later
-            # from this model share the device arrays.
-            model.params = self.params
+            self.pool = zero_pool()
+        else:
+            # Placed array by array, each host array let go once its device
+            # copy exists: the weights are never held twice (on CPU a second
+            # gigabyte for the 270M in f32). Engines built later from this model
+            # share the device arrays.
+            self.params = _place_in_place(model.params)
+            self.pool = (
+                zero_pool()
+            )  # after the weights: the peak holds one array twice, not the pool
         # Shapes: the body compiles per (tokens, block-table width); the head and
         # sampling per number of sequences, so a lone decode pays for one row of
         # logits, not for the widest batch.
