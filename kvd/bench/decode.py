@@ -126,6 +126,18 @@ def run_decode_bench(
     )
 
 
+def load_transformers(gguf: Any, say: Callable[[str], None]) -> Any:
+    """transformers' Gemma from the same GGUF file, in f32 (raises ImportError
+    without the test extra)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    say("loading the transformers baseline (f32)")
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+
+
 def _transformers_baseline(
     gguf: Any,
     batches: tuple[int, ...],
@@ -135,12 +147,8 @@ def _transformers_baseline(
     say: Callable[[str], None],
 ) -> list[DecodeFigures]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    say("loading the transformers baseline (f32)")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    model = load_transformers(gguf, say)
     figures = []
     for batch in batches:
         ids = torch.tensor(_prompts(batch, prompt_len, vocab, seed=batch))

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvd.bench.decode import gemm_roofline
+from kvd.bench.decode import gemm_roofline, load_transformers
 from kvd.bench.kv import machine_description
 
 
@@ -195,12 +195,8 @@ def _transformers_prefill(
     gguf: Any, lengths: tuple[int, ...], vocab: int, say: Callable[[str], None]
 ) -> list[PrefillFigures]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    say("loading the transformers baseline (f32)")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    model = load_transformers(gguf, say)
     figures = []
     for length in lengths:
         ids = torch.tensor([_prompt(length, vocab, seed=length)])
