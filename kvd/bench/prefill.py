@@ -114,14 +114,15 @@ def run_prefill_bench(
     vocab = model.config.vocab_size
     longest = max(*lengths, decode_contexts[1])
     # The dev daemon's pool: 1 GiB, in tokens per page group as the daemon sizes it.
-    layout = build_layout(model.config.kv_geometry(dtype), 16)
-    blocks = pool_bytes // layout.page_bytes // layout.num_groups
+    block_size = EngineConfig().block_size
+    layout = build_layout(model.config.kv_geometry(dtype), block_size)
     config = EngineConfig(
         dtype=dtype,
+        block_size=block_size,
         max_model_len=4096,
         max_num_seqs=32,
         max_num_batched_tokens=512,
-        pool_tokens=blocks * 16,
+        pool_tokens=layout.pool_tokens(pool_bytes),
     )
     if longest + new_tokens >= config.max_model_len:
         raise ValueError(f"{longest} tokens plus {new_tokens} new exceed the 4096-token context")
@@ -147,7 +148,7 @@ def run_prefill_bench(
     # cached, so that in the timed run all of a batch decodes together (with a
     # pool too small for that, early sequences finish decoding while later
     # ones still prefill, and the decode-only steps are of a smaller batch).
-    need = max(decode_batches) * (max(decode_contexts) + new_tokens + 2 * 16)
+    need = max(decode_batches) * (max(decode_contexts) + new_tokens + 2 * block_size)
     engine = Engine(
         model, msgspec.structs.replace(config, pool_tokens=max(need, config.pool_tokens))
     )

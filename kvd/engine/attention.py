@@ -16,7 +16,8 @@ tokens can see, not the table's width:
 - Queries are cut into *tiles*: up to ``QUERY_TILE`` consecutive tokens of one
   sequence, which share every key they gather (a decode is a tile of one).
 - Each tile's visible keys, from its first query's window start to its last
-  query, are cut into page-aligned chunks of ``KEY_CHUNK`` keys. A (tile,
+  query, are cut into page-aligned chunks (``TILE_KEY_CHUNK`` keys, or
+  ``KEY_CHUNK`` for a lone token). A (tile,
   chunk) pair is one *item*; a step's items form one ragged work list,
   tile-major, whose length is the sum of what each tile can see.
 - A loop takes the items a fixed number at a time (gathering only their
@@ -215,6 +216,8 @@ def _tile_attention(
         chunks = jnp.where(tiles.length > 0, last // chunk - first_chunk + 1, 0)
         ends = jnp.cumsum(chunks)  # tile-major work list: tile t owns [ends[t-1], ends[t])
         total = ends[-1]
+        # A small step (a lone decode: capacity 2) takes few items at a time,
+        # so it does not gather many dead ones.
         items = min(per_iteration, capacity * 4)
         lanes = jnp.arange(items, dtype=jnp.int32)
 

@@ -86,11 +86,9 @@ def write_table_row(
         out[:, :blocks] = seq.tables
     for g in ring_groups:
         ring = int(rings[g])
-        entries = out[g]
-        entries[:] = 0
-        table = seq.tables[g]
-        for b in range(max(seq.sliding_start, blocks - ring), blocks):
-            entries[b % ring] = table[b]
+        live = np.arange(max(seq.sliding_start, blocks - ring), blocks)
+        out[g] = 0
+        out[g, live % ring] = seq.tables[g][blocks - len(live) : blocks]
 
 
 class SequenceRows:

@@ -213,9 +213,8 @@ class Engine:
             # gigabyte for the 270M in f32). Engines built later from this model
             # share the device arrays.
             self.params = _place_in_place(model.params)
-            self.pool = (
-                zero_pool()
-            )  # after the weights: the peak holds one array twice, not the pool
+            # The pool after the weights: the peak holds one array twice, not the pool.
+            self.pool = zero_pool()
         # Shapes: the body compiles per (tokens, block-table width); the head and
         # sampling per number of sequences, so a lone decode pays for one row of
         # logits, not for the widest batch.

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 
-from kvd.engine.attention import attend, resolve_attention
+from kvd.engine.attention import NO_WINDOW, attend, resolve_attention
 from kvd.engine.config import ModelConfig
 from kvd.kv.geometry import AttentionKind
 from kvd.kv.layout import PageLayout
@@ -235,9 +235,6 @@ def _block(
     return x, pool
 
 
-_NO_WINDOW = 1 << 30  # longer than any sequence: a global layer's "window"
-
-
 def body(
     spec: EngineSpec, params: Params, pool: jax.Array, batch: StepBatch
 ) -> tuple[jax.Array, jax.Array]:
@@ -249,7 +246,7 @@ def body(
     kinds = sorted(set(cfg.layer_kinds))
     ropes = {k: _rope_for(cfg, k, batch.positions, dtype) for k in kinds}
     windows = [
-        cfg.sliding_window if kind is AttentionKind.SLIDING else _NO_WINDOW
+        cfg.sliding_window if kind is AttentionKind.SLIDING else NO_WINDOW
         for kind in cfg.layer_kinds
     ]
     if "stack" in params:

@@ -54,6 +54,11 @@ class PageLayout(msgspec.Struct, frozen=True):
     def num_pages(self, pool_bytes: int) -> int:
         return pool_bytes // self.page_bytes
 
+    def pool_tokens(self, pool_bytes: int) -> int:
+        """Tokens per page group that a pool of ``pool_bytes`` holds (whole
+        blocks, one page per group each)."""
+        return self.num_pages(pool_bytes) // self.num_groups * self.block_size
+
     def pages_for_tokens(self, tokens: int) -> int:
         """Most pages one sequence of ``tokens`` tokens holds while decoding."""
         blocks = -(-tokens // self.block_size)
