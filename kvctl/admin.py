@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -94,6 +95,14 @@ def render_status(s: dict[str, Any]) -> str:
         f"prefix cache: {prefix['hit_tokens']} of {prefix['query_tokens']} prompt tokens hit "
         f"({prefix['hit_rate']:.1%})",
     ]
+    restored = (s.get("state") or {}).get("restored")
+    if restored and restored["overrides"]:
+        lines.append(
+            f"state file {restored['file']} overrides the config's "
+            f"{', '.join(restored['overrides'])} (restored at start; remove it to use the config)"
+        )
+    elif restored:
+        lines.append(f"state restored at start from {restored['file']} (same as the config)")
     if rates:
         lines.append(
             f"measured: prefill {rates['prefill_tokens_per_s']} tok/s, copy "
@@ -158,8 +167,8 @@ def optional_number(value: str | None, option: str) -> float | None | str:
         number = float(value)
     except ValueError:
         fail(f"{option} takes a number or 'unlimited', got {value!r}")
-    if number <= 0:
-        fail(f"{option} must be > 0 (or 'unlimited')")
+    if not math.isfinite(number) or number <= 0:
+        fail(f"{option} must be a finite number > 0 (or 'unlimited'), got {value!r}")
     return number
 
 

@@ -18,7 +18,7 @@ import click
 import msgspec
 
 from kvctl import admin
-from kvd.clikit import SizeType, fail, run
+from kvd.clikit import FiniteFloat, SizeType, fail, run
 from kvd.kv.capacity import CapacityReport, capacity_report
 from kvd.kv.geometry import GeometryError, KVGeometry, preset, uniform_geometry
 from kvd.kv.layout import LayoutError
@@ -49,7 +49,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
 
 
 @cli.command()
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
+@click.option("--interval", type=FiniteFloat(min=0.1), default=1.0, show_default=True)
 @click.option("--iterations", type=click.IntRange(min=1), help="Stop after N refreshes.")
 @click.pass_context
 def top(ctx: click.Context, interval: float, iterations: int | None) -> None:
@@ -80,7 +80,7 @@ def _tenant_options(f: Any) -> Any:
         click.option("--reservation", help="Guaranteed pages: a share ('25%') or a size."),
         click.option("--burst-cap", help="Most pages at once: a share, a size, or 'none'."),
         click.option("--tier", help="The most important tier the tenant may use."),
-        click.option("--weight", type=click.FloatRange(min=0, min_open=True)),
+        click.option("--weight", type=FiniteFloat(min=0, min_open=True)),
         click.option("--rpm", help="Requests per minute, or 'unlimited'."),
         click.option("--tpm", help="Tokens per minute, or 'unlimited'."),
         click.option("--max-queue", type=click.IntRange(min=1)),
@@ -223,6 +223,12 @@ def prefix() -> None:
 @click.option(
     "--token-file", type=click.Path(dir_okay=False), help="Token ids: a JSON array or spaces."
 )
+@click.option("--chat-system", help="A chat system message (matches chat requests that send it).")
+@click.option(
+    "--chat-system-file",
+    type=click.Path(dir_okay=False),
+    help="Read the system message from a file (without its final newline).",
+)
 @_JSON
 @click.pass_context
 def prefix_add(
@@ -231,22 +237,39 @@ def prefix_add(
     text: str | None,
     text_file: str | None,
     token_file: str | None,
+    chat_system: str | None,
+    chat_system_file: str | None,
     as_json: bool,
 ) -> None:
-    if sum(x is not None for x in (text, text_file, token_file)) != 1:
-        fail("give exactly one of --text, --text-file, --token-file")
+    """Register a public prefix: completion text, token ids, or the system
+    message of chat requests (rendered as the chat template renders it)."""
+    sources = (text, text_file, token_file, chat_system, chat_system_file)
+    if sum(x is not None for x in sources) != 1:
+        fail(
+            "give exactly one of --text, --text-file, --token-file, --chat-system, "
+            "--chat-system-file"
+        )
     body: dict[str, Any] = {"name": name}
     if token_file is not None:
         body["tokens"] = admin.read_tokens(token_file)
     elif text_file is not None:
-        try:
-            body["text"] = Path(text_file).read_text()
-        except OSError as exc:
-            fail(f"{text_file}: {exc.strerror or exc}")
+        body["text"] = _read_text(text_file)
+    elif chat_system_file is not None:
+        # A text file ends with a newline; the message clients send does not.
+        body["chat_system"] = _read_text(chat_system_file).removesuffix("\n")
+    elif chat_system is not None:
+        body["chat_system"] = chat_system
     else:
         body["text"] = text
     result = admin.client(ctx).request("POST", "/v1/prefixes", body)
     admin.done(result, as_json, f"prefix {name} added")
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"{path}: {getattr(exc, 'strerror', None) or exc}")
 
 
 @prefix.command("list")
@@ -277,7 +300,7 @@ def flush(ctx: click.Context, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--wait", is_flag=True, help="Wait until no request is in flight.")
-@click.option("--timeout", type=click.FloatRange(min=0), help="Give up waiting after S seconds.")
+@click.option("--timeout", type=FiniteFloat(min=0), help="Give up waiting after S seconds.")
 @_JSON
 @click.pass_context
 def drain(ctx: click.Context, wait: bool, timeout: float | None, as_json: bool) -> None:

@@ -7,13 +7,22 @@ from pathlib import Path
 import click
 import msgspec
 
-from kvd.clikit import fail, run
+from kvd.clikit import FiniteFloat, fail, run
+from kvd.engine.sampling_params import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvd")
 def cli() -> None:
     """kvd: a multi-tenant Gemma serving daemon with an accountable KV-cache pool."""
+
+
+def _temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise click.BadParameter(
+            f"{value:g} is below {MIN_TEMPERATURE:g} (use 0 for greedy)", param_hint="--temperature"
+        )
+    return value
 
 
 @cli.command()
@@ -97,13 +106,14 @@ def check_config(path: str) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option(
     "--temperature",
-    type=click.FloatRange(min=0),
+    type=FiniteFloat(min=0, max=MAX_TEMPERATURE),
     default=0.0,
     show_default=True,
-    help="0 is greedy.",
+    callback=lambda ctx, param, value: _temperature(value),
+    help=f"0 is greedy; else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}.",
 )
 @click.option("--top-k", type=click.IntRange(min=0), default=0, help="0 is off.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0)
+@click.option("--top-p", type=FiniteFloat(min=0, max=1, min_open=True), default=1.0)
 @click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), help="Reproducible sampling.")
 @click.option(
     "--dtype",
@@ -266,7 +276,7 @@ def bench_prefill(
 @bench.command("http")
 @click.option("--model", default="gemma3-270m", show_default=True, help="Or 'random'.")
 @click.option("--clients", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--duration", type=click.FloatRange(min=1), default=60.0, show_default=True)
+@click.option("--duration", type=FiniteFloat(min=1), default=60.0, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--no-inprocess", is_flag=True, help="Skip the in-process comparison run.")
 @click.option(

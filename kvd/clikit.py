@@ -6,8 +6,9 @@ kvctl's contract: 2 for bad usage or input (click's own convention too).
 
 from __future__ import annotations
 
+import math
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -42,6 +43,18 @@ class SizeType(click.ParamType):  # type: ignore[type-arg]
             return parse_size(str(value))
         except SizeError as exc:
             self.fail(str(exc), param, ctx)
+
+
+class FiniteFloat(click.FloatRange):
+    """A float range that refuses nan and infinities: click's own ranges let
+    them through (every comparison with nan is false), and they cannot be
+    sent as JSON or slept on."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 def run(group: click.Group, prog: str) -> NoReturn:

@@ -101,6 +101,31 @@ def test_capacity_bad_input_is_one_line_and_exit_2(args: list[str]) -> None:
     assert len(lines) == 1 and lines[0].startswith("kvctl: error: ")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["tenant", "set", "alice", "--weight", "nan"],
+        ["tenant", "set", "alice", "--weight", "inf"],
+        ["tenant", "set", "alice", "--rpm", "nan"],
+        ["tenant", "set", "alice", "--tpm", "inf"],
+        ["tenant", "add", "dave", "--key", "k", "--tpm", "-inf"],
+        ["top", "--interval", "nan"],
+        ["drain", "--timeout", "inf"],
+        ["prefix", "add", "p", "--text", "a", "--chat-system", "b"],
+        ["prefix", "add", "p", "--chat-system-file", "/nonexistent/system.txt"],
+    ],
+)
+def test_kvctl_refuses_non_finite_numbers_without_a_traceback(
+    args: list[str], tmp_path: Path
+) -> None:
+    """Refused before any daemon is asked (the socket does not exist)."""
+    out = run("kvctl", "--socket", str(tmp_path / "absent.sock"), *args)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvctl: error: "), out.stderr
+
+
 def test_serve_needs_a_config() -> None:
     out = run("kvd", "serve")
     assert out.returncode == 2 and "--config" in out.stderr

@@ -47,6 +47,7 @@ class LoadReport(msgspec.Struct, frozen=True):
     ttft_p99_s: float
     itl_p50_s: float
     itl_p99_s: float
+    tokens_per_chunk: float  # streamed tokens per SSE chunk: above 1 when chunks coalesce
     daemon_peak_rss_gib: float | None = None
     inprocess_output_tokens_per_s: float | None = None
     http_vs_inprocess: float | None = None
@@ -110,6 +111,7 @@ class _Stats:
         self.tokens = 0
         self.ttft: list[float] = []
         self.itl: list[float] = []
+        self.chunks = 0
 
 
 async def _client(
@@ -156,6 +158,7 @@ async def _client(
                     if chunk.get("usage"):
                         stats.tokens += chunk["usage"]["completion_tokens"]
                     if chunk["choices"]:
+                        stats.chunks += 1
                         now = time.monotonic()
                         if last is None:
                             stats.ttft.append(now - sent)
@@ -287,6 +290,7 @@ def run_http_load(
         ttft_p99_s=round(_percentile(stats.ttft, 0.99), 3),
         itl_p50_s=round(_percentile(stats.itl, 0.5), 4),
         itl_p99_s=round(_percentile(stats.itl, 0.99), 4),
+        tokens_per_chunk=round(stats.tokens / max(1, stats.chunks), 2),
         daemon_peak_rss_gib=peak_rss,
     )
     if inprocess:
@@ -358,7 +362,8 @@ def render(report: LoadReport) -> str:
         f"leaked pages {report.leaked_pages}",
         f"output tokens/s {report.output_tokens_per_s}",
         f"TTFT p50 {report.ttft_p50_s} s, p99 {report.ttft_p99_s} s; "
-        f"ITL p50 {report.itl_p50_s} s, p99 {report.itl_p99_s} s",
+        f"ITL p50 {report.itl_p50_s} s, p99 {report.itl_p99_s} s (between chunks), "
+        f"{report.tokens_per_chunk} tokens per chunk",
         f"daemon peak RSS {report.daemon_peak_rss_gib} GiB",
     ]
     if report.inprocess_output_tokens_per_s is not None:

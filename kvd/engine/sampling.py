@@ -6,49 +6,33 @@ request: the key is the request's seed folded with the token's position, so a
 sequence samples the same tokens whatever it is batched with and however
 often it is preempted and resumed.
 
-Top-k and top-p work on the ``CANDIDATES`` most likely tokens (a full sort of
-a 262,144-token vocabulary per sequence per step costs more than the rest of
-the step on a CPU): top-k is capped at that many, and the nucleus is cut
-within them, which is exact unless the top ``CANDIDATES`` tokens hold less
-than ``top_p`` of the mass. Pure temperature sampling uses the whole
-vocabulary (Gumbel-max).
+Top-k and top-p are exact over the whole vocabulary, as vLLM applies them
+(top-k, then top-p over what it leaves). A full sort of a 262,144-token
+vocabulary per sequence per step costs more than the rest of the step on a
+CPU, so the cut is made among the ``CANDIDATES`` most likely tokens whenever
+it falls there (top-k up to that many; a nucleus they hold, judged with the
+whole vocabulary's normaliser); a row whose cut falls beyond them (a larger
+top-k, a flat distribution) is cut by thresholds found by bisection over the
+whole vocabulary. Pure temperature sampling uses the whole vocabulary
+(Gumbel-max).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import msgspec
+
+from kvd.engine.sampling_params import (  # re-exported: the engine's names
+    MAX_STOP_IDS,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 
 CANDIDATES = 256
-MAX_STOP_IDS = 8
-
-
-class SamplingParams(msgspec.Struct, frozen=True):
-    temperature: float = 1.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings, matched on the host
-    logprobs: bool = False
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if len(self.stop_token_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise ValueError("seed must be in [0, 2**32)")
+__all__ = ["MAX_STOP_IDS", "MAX_TEMPERATURE", "MIN_TEMPERATURE", "SamplingParams", "sample"]
 
 
 class SamplingBatch(NamedTuple):
@@ -92,27 +76,112 @@ def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
         params.seeds, params.positions
     )
     vocab = logits.shape[0]
-    scaled = logits / jnp.maximum(params.temperature, 1e-6)[None, :]  # [V, S]
+    scaled = logits / jnp.maximum(params.temperature, MIN_TEMPERATURE)[None, :]  # [V, S]
     truncating = (params.top_k > 0) | (params.top_p < 1.0)
 
     def whole_vocabulary() -> jax.Array:  # Gumbel-max over all V tokens
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys)  # [S, V]
         return jnp.argmax(scaled + gumbel.T, axis=0).astype(jnp.int32)
 
-    candidates = min(CANDIDATES, vocab)
-
-    def among_candidates() -> jax.Array:
-        top_values, top_index = jax.lax.top_k(scaled.T, candidates)  # [S, C] best first
-        rank = jnp.arange(candidates)[None, :]
-        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, candidates), candidates)
-        keep = rank < k[:, None]
-        probs = jax.nn.softmax(jnp.where(keep, top_values, -jnp.inf), axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better candidates
-        keep &= before < params.top_p[:, None]  # the best candidate always stays
-        row_logits = jnp.where(keep, top_values, -jnp.inf)
-        choice = jax.vmap(jax.random.categorical)(keys, row_logits)
-        return jnp.take_along_axis(top_index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    def truncated() -> jax.Array:
+        tokens, exact = _among_candidates(scaled, params, keys)
+        beyond = truncating & ~exact
+        wide = jax.lax.cond(
+            jnp.any(beyond),
+            lambda: _beyond_candidates(scaled, params, keys),
+            lambda: jnp.zeros_like(tokens),
+        )
+        return jnp.where(exact, tokens, wide)
 
     free = jax.lax.cond(jnp.all(truncating), lambda: jnp.zeros_like(params.top_k), whole_vocabulary)
-    cut = jax.lax.cond(jnp.any(truncating), among_candidates, lambda: jnp.zeros_like(params.top_k))
+    cut = jax.lax.cond(jnp.any(truncating), truncated, lambda: jnp.zeros_like(params.top_k))
     return jnp.where(truncating, cut, free)
+
+
+def _among_candidates(
+    scaled: jax.Array, params: SamplingBatch, keys: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(tokens [S], exact [S]): top-k, then top-p over what top-k leaves, cut
+    within the ``CANDIDATES`` best tokens. A row is exact when its cut falls
+    among them: top-k at most that many, or a nucleus whose mass (under the
+    whole vocabulary's normaliser) they already hold."""
+    candidates = min(CANDIDATES, scaled.shape[0])
+    top_values, top_index = jax.lax.top_k(scaled.T, candidates)  # [S, C] best first
+    rank = jnp.arange(candidates)[None, :]
+    by_k = params.top_k > 0
+    k = jnp.where(by_k, jnp.minimum(params.top_k, candidates), candidates)
+    keep = rank < k[:, None]
+    # Top-p is over the distribution top-k leaves (renormalised), as vLLM
+    # and HF apply them; without top-k, over the whole vocabulary.
+    normaliser = jnp.where(
+        by_k,
+        jax.nn.logsumexp(jnp.where(keep, top_values, -jnp.inf), axis=-1),
+        jax.nn.logsumexp(scaled, axis=0),
+    )
+    probs = jnp.where(keep, jnp.exp(top_values - normaliser[:, None]), 0.0)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better candidates
+    keep &= (before < params.top_p[:, None]) | (rank == 0)  # the best always stays
+    exact = jnp.where(by_k, params.top_k <= candidates, probs.sum(axis=-1) >= params.top_p)
+    row_logits = jnp.where(keep, top_values, -jnp.inf)
+    choice = jax.vmap(jax.random.categorical)(keys, row_logits)
+    tokens = jnp.take_along_axis(top_index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return tokens, exact
+
+
+def exact_keep(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Which tokens top-k then top-p keep, over the whole vocabulary: a
+    boolean [S, V] from scaled logits [V, S], without sorting it.
+
+    Each cut is a threshold on the logits, found by bisection over their
+    order-preserving 32-bit keys (32 passes over the vocabulary each): the
+    k-th best logit, then the least logit whose better-or-equal tokens hold
+    ``top_p`` of what top-k left. Ties at a threshold all stay.
+    """
+    x = scaled.T  # [S, V]
+    keys = _order_keys(x)
+    vocab = x.shape[1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    lowest = jnp.min(keys, axis=-1)
+    k_cut = _largest_key(keys, lowest, lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k)
+    in_k = keys >= k_cut[:, None]
+    normaliser = jax.nn.logsumexp(jnp.where(in_k, x, -jnp.inf), axis=-1)
+    probs = jnp.where(in_k, jnp.exp(x - normaliser[:, None]), 0.0)
+
+    def holds_p(t: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1) >= top_p
+
+    p_cut = jnp.where(top_p < 1.0, _largest_key(keys, k_cut, holds_p), k_cut)
+    return keys >= jnp.maximum(k_cut, p_cut)[:, None]
+
+
+def _beyond_candidates(scaled: jax.Array, params: SamplingBatch, keys: jax.Array) -> jax.Array:
+    """Tokens [S] drawn exactly from the whole vocabulary's top-k/top-p set
+    (Gumbel-max over the kept tokens): the rare rows the candidates cannot
+    serve."""
+    keep = exact_keep(scaled, params.top_k, params.top_p)  # [S, V]
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (scaled.shape[0],)))(keys)
+    return jnp.argmax(jnp.where(keep, scaled.T + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values (IEEE bits, negatives
+    flipped): a bisection over them is exact in 32 steps."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_key(keys: jax.Array, low: jax.Array, holds: Any) -> jax.Array:
+    """Per row, the largest key t in [low, max key] with ``holds(t)``, for a
+    predicate true at ``low`` and monotone (true, then false)."""
+    high = jnp.max(keys, axis=-1)
+
+    def step(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        gap = hi - lo
+        mid = lo + gap // 2 + (gap & 1)  # rounded up, so lo < mid whenever lo < hi
+        ok = holds(mid) & (lo < hi)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (lo >= hi), hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (low, high))
+    return lo

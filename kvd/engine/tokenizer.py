@@ -202,6 +202,13 @@ class Tokenizer:
         text = "".join(f"<start_of_turn>{r}\n{c}<end_of_turn>\n" for r, c in turns)
         return self.encode(text + "<start_of_turn>model\n")
 
+    def chat_system_prefix(self, system: str) -> list[int]:
+        """The tokens every chat prompt with this system message starts with,
+        as ``chat_prompt`` renders it: the first user turn opens with the
+        system text and a blank line. (Its last tokens may merge with the
+        user's text; prefix matching counts only the blocks that agree.)"""
+        return self.encode(f"<start_of_turn>user\n{system}\n\n")
+
 
 class StreamDecoder:
     """Incremental detokenisation that never emits broken UTF-8.

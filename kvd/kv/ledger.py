@@ -157,6 +157,15 @@ class Ledger:
         limit = self.capacity if account.cap is None else account.cap
         return limit - account.used
 
+    def most(self, name: str) -> tuple[int, str]:
+        """(the most pages the tenant may ever hold in this mode, what sets it)."""
+        account = self.tenant(name)
+        if self.mode is BudgetMode.STATIC:
+            return account.reservation, "your reservation (the budget is static)"
+        if self.mode is BudgetMode.RESERVE and account.cap is not None:
+            return account.cap, "your burst cap"
+        return self.capacity, "the pool"
+
     def shortfall(self, name: str) -> int:
         """Pages the tenant is below its guarantee (0 in free mode)."""
         if self.mode is BudgetMode.FREE:

@@ -152,13 +152,28 @@ class PublicPrefixes:
     def __contains__(self, name: str) -> bool:
         return name in self._by_name
 
-    def matches(self, tokens: Sequence[int]) -> list[tuple[str, int, int]]:
-        """Registered prefixes ``tokens`` start with: (name, id, length), longest first."""
-        found = [
-            (name, rid, len(prefix))
-            for name, (rid, prefix) in self._by_name.items()
-            if len(prefix) <= len(tokens) and tuple(tokens[: len(prefix)]) == prefix
-        ]
+    def matches(self, tokens: Sequence[int], block_size: int) -> list[tuple[str, int, int]]:
+        """Registered prefixes whose leading full blocks ``tokens`` repeat:
+        (name, id, how many blocks agree), most blocks first.
+
+        Only full blocks count, and a request may agree with fewer of them
+        than the prefix has: a prefix's last tokens can tokenize differently
+        once the request's own text follows them (a merge across the
+        boundary), and that must cost at most the block it falls in, not the
+        whole match. Every block that agrees holds only public tokens.
+        """
+        found = []
+        for name, (rid, prefix) in self._by_name.items():
+            blocks = min(len(prefix), len(tokens)) // block_size
+            agree = 0
+            while agree < blocks:
+                start = agree * block_size
+                end = start + block_size
+                if tuple(tokens[start:end]) != prefix[start:end]:
+                    break
+                agree += 1
+            if agree:
+                found.append((name, rid, agree))
         found.sort(key=lambda match: (-match[2], match[0]))
         return found
 
@@ -175,9 +190,4 @@ def resolve_scope(
     private = tenant_scope(policy, tenant, cache_salt)
     if policy is SharingPolicy.ISOLATED:
         return Scope(private)
-    matches = tuple(
-        (name, rid, length // block_size)
-        for name, rid, length in public.matches(tokens)
-        if length >= block_size
-    )
-    return Scope(private, matches)
+    return Scope(private, tuple(public.matches(tokens, block_size)))

@@ -3,7 +3,10 @@
 Each limit is a token bucket: it holds up to one minute's allowance, refills
 continuously, and a request is admitted only if every bucket can pay for it
 now. A refusal says how long until a retry would succeed (the API's
-Retry-After), and costs the tenant nothing.
+Retry-After), and costs the tenant nothing. The token bucket is paid the
+request's most (prompt + max_tokens) up front, as OpenAI does, and refunded
+what it did not use when it ends: a chat without max_tokens costs what it
+generated, not the whole context.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import msgspec
 
 class RateLimits(msgspec.Struct, frozen=True):
     requests_per_minute: float | None = None  # None: unlimited
-    tokens_per_minute: float | None = None  # prompt + max_tokens of each request
+    # Prompt + max_tokens of each request at admission; what it did not
+    # generate goes back when it ends.
+    tokens_per_minute: float | None = None
 
 
 class TokenBucket:
@@ -41,6 +46,10 @@ class TokenBucket:
     def pay(self, amount: float, now: float) -> None:
         self._refill(now)
         self.level -= amount
+
+    def refund(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level = min(self.capacity, self.level + amount)
 
 
 class RateLimited(Exception):
@@ -85,3 +94,9 @@ class TenantLimiter:
             self.requests.pay(1.0, now)
         if self.tokens is not None:
             self.tokens.pay(float(tokens), now)
+
+    def refund(self, tokens: int, now: float) -> None:
+        """Give back tokens paid for at admission and not used (a request
+        that stopped before max_tokens, or never ran)."""
+        if self.tokens is not None and tokens > 0:
+            self.tokens.refund(float(tokens), now)

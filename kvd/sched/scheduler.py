@@ -371,13 +371,12 @@ class Scheduler:
         pages = self.kv.layout.pages_for_tokens(
             len(prompt) + min(params.max_tokens, limit - len(prompt))
         )
-        most = self.kv.ledger.capacity if config.cap_pages is None else config.cap_pages
+        most, limited_by = self.kv.ledger.most(tenant)
         if pages > most:
             raise Rejection(
                 413,
                 "too_large",
-                f"prompt plus max_tokens need {pages} KV pages; "
-                f"{'the pool has' if config.cap_pages is None else 'your burst cap is'} "
+                f"prompt plus max_tokens need {pages} KV pages; {limited_by} allows "
                 f"{most}: lower max_tokens or shorten the prompt",
             )
         tier_name = tier or config.tier
@@ -745,6 +744,10 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         seq = request.seq
+        limiter = self.limiters.get(request.tenant)
+        if limiter is not None:
+            used = 0 if request.started_at is None else len(seq.tokens) if seq else 0
+            limiter.refund(request.stop_length - used, self.clock())
         if seq is not None and seq.state is not KVState.RELEASED:
             self.kv.finish(seq)
         if request.state is RequestState.RUNNING:

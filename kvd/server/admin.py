@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 import structlog
+import trio
 from msgspec import UNSET, UnsetType
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -60,8 +61,9 @@ class PolicyBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class PrefixBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
-    text: str | None = None
+    text: str | None = None  # tokenized like a completion prompt
     tokens: list[int] | None = None
+    chat_system: str | None = None  # a chat system message, as chat requests render it
 
 
 class Admin:
@@ -79,6 +81,10 @@ class Admin:
         self.device = describe_device()
         self.started = time.monotonic()
         self.shutting_down = False
+        self._changing = trio.Lock()  # one change at a time, file writes in order
+        # Set when the start restored a state file: its path, and the config
+        # sections it replaced with different values.
+        self.restored: dict[str, Any] | None = None
 
     @property
     def live(self) -> LiveState:
@@ -129,6 +135,7 @@ class Admin:
                 "free": stats.free_pages,
                 "reserved": kv.ledger.total_reserved(),
             },
+            "state": {"file": str(self.store.path), "restored": self.restored},
             "budget_mode": str(kv.ledger.mode),
             "sharing_policy": str(kv.policy),
             "draining": runtime.draining,
@@ -208,29 +215,42 @@ class Admin:
     async def change(
         self, op: str, detail: dict[str, Any], apply: Callable[[], Callable[[], None]]
     ) -> dict[str, Any]:
-        """Apply a change at a step boundary, persist it, audit it.
+        """Apply a change at a step boundary, persist it, audit it; the reply
+        comes once the state file holds it.
 
         ``apply`` validates and applies (raising ValueError to refuse, with
-        nothing changed) and returns the function that undoes it."""
-
-        def run() -> None:
-            undo = apply()
-            entry = AuditEntry(datetime.now(UTC).isoformat(timespec="seconds"), op, detail)
+        nothing changed) and returns the function that undoes it. Only the
+        apply and a snapshot of the state run on the engine task; the file is
+        written (and fsynced) in a worker thread, so neither HTTP nor the
+        engine waits for the disk. Changes are serialised, so the file
+        always ends with the last one, and a write that fails undoes its own
+        change before the next starts."""
+        async with self._changing:
             audit = self.live.audit
-            self.live.audit = [*audit, entry][-AUDIT_KEPT:]
+            undo: list[Callable[[], None]] = []
+
+            def run() -> bytes:
+                undo.append(apply())
+                entry = AuditEntry(datetime.now(UTC).isoformat(timespec="seconds"), op, detail)
+                self.live.audit = [*audit, entry][-AUDIT_KEPT:]
+                return self.store.encode(self.live)
+
             try:
-                self.store.save(self.live)
+                body = await self.runtime.call(run)
+            except (ValueError, ConfigError) as exc:
+                raise AdminError(409, str(exc)) from None
+            try:
+                await trio.to_thread.run_sync(self.store.write, body)
             except OSError as exc:
-                undo()
-                self.live.audit = audit
+
+                def revert() -> None:
+                    undo[0]()
+                    self.live.audit = audit
+
+                await self.runtime.call(revert)
                 raise AdminError(
                     500, f"the change was undone: the state file could not be written: {exc}"
                 ) from None
-
-        try:
-            await self.runtime.call(run)
-        except (ValueError, ConfigError) as exc:
-            raise AdminError(409, str(exc)) from None
         log.info("admin.audit", op=op, **detail)
         return {"ok": True, "op": op}
 
@@ -367,14 +387,17 @@ class Admin:
         return await self.change("sharing.policy", {"policy": str(policy)}, apply)
 
     async def prefix_add(self, body: PrefixBody) -> dict[str, Any]:
-        if (body.text is None) == (body.tokens is None):
-            raise AdminError(400, "give exactly one of text, tokens")
+        if sum(value is not None for value in (body.text, body.tokens, body.chat_system)) != 1:
+            raise AdminError(400, "give exactly one of text, tokens, chat_system")
         if not body.name or len(body.name) > 128:
             raise AdminError(400, "a prefix name is 1 to 128 characters")
         tokenizer = self.server.tokenizer
         if body.text is not None:
             assert tokenizer is not None
             tokens = tokenizer.encode(body.text)
+        elif body.chat_system is not None:
+            assert tokenizer is not None
+            tokens = tokenizer.chat_system_prefix(body.chat_system)
         else:
             tokens = list(body.tokens or [])
         vocab = self.server.vocab_size
@@ -430,7 +453,7 @@ class Admin:
         self.runtime.draining = True
         self.server.status = "draining"
         log.info("admin.audit", op="drain", in_flight=self.runtime.in_flight)
-        self._audit_only("drain")
+        await self._audit_only("drain")
         return {"ok": True, "op": "drain", "in_flight": self.runtime.in_flight}
 
     async def undrain(self) -> dict[str, Any]:
@@ -439,17 +462,18 @@ class Admin:
         self.runtime.draining = False
         self.server.status = "ready"
         log.info("admin.audit", op="undrain")
-        self._audit_only("undrain")
+        await self._audit_only("undrain")
         return {"ok": True, "op": "undrain"}
 
-    def _audit_only(self, op: str) -> None:
+    async def _audit_only(self, op: str) -> None:
         """Drain state is not persisted (a restart serves again), but audited."""
-        entry = AuditEntry(datetime.now(UTC).isoformat(timespec="seconds"), op, {})
-        self.live.audit = [*self.live.audit, entry][-AUDIT_KEPT:]
-        try:
-            self.store.save(self.live)
-        except OSError as exc:
-            log.error("admin.state_write_failed", error=str(exc))
+        async with self._changing:
+            entry = AuditEntry(datetime.now(UTC).isoformat(timespec="seconds"), op, {})
+            self.live.audit = [*self.live.audit, entry][-AUDIT_KEPT:]
+            try:
+                await trio.to_thread.run_sync(self.store.write, self.store.encode(self.live))
+            except OSError as exc:
+                log.error("admin.state_write_failed", error=str(exc))
 
 
 def _access(config: Config, entry: TenantEntry) -> TenantAccess:

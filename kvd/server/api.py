@@ -12,18 +12,29 @@ import re
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
-from kvd.engine.sampling import MAX_STOP_IDS, SamplingParams
+from kvd.engine.sampling import MAX_STOP_IDS, MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 from kvd.engine.tokenizer import ChatMessage, Tokenizer, TokenizerError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+# Limits a body is checked against before it is decoded any deeper, so no
+# request can make the decoder recurse or allocate without bound.
+MAX_JSON_DEPTH = 32  # nesting of arrays and objects
+MAX_MESSAGES = 2048
+MAX_PARTS = 256  # content parts of one message
+MAX_LOGIT_BIAS = 300  # OpenAI's own limit
+MAX_TOOLS = 128
+MAX_NAME = 256  # user, cache_salt, a message's name
 
-NonNegative = Annotated[float, Meta(ge=0)]
+Temperature = Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
 Count = Annotated[int, Meta(ge=1)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
 
 
 class ApiError(Exception):
@@ -73,22 +84,22 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # OpenAI accepts null for every optional parameter: null means the default.
     model: str
     max_tokens: Count | None = None
-    temperature: NonNegative | None = None  # default 1.0
+    temperature: Temperature | None = None  # default 1.0
     top_p: TopP | None = None  # default 1.0
     n: Count | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Int64 | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    user: Name | None = None
     # Extensions, as vLLM spells them.
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None  # 0 or -1: off
-    stop_token_ids: list[int] | None = None
-    cache_salt: str | None = None
-    priority: int | str | None = None  # a tier: its name, or its index (0 = most important)
+    stop_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_IDS)] | None = None
+    cache_salt: Name | None = None
+    priority: int | Name | None = None  # a tier: its name, or its index (0 = most important)
 
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, frozen=True):
@@ -106,8 +117,8 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | Annotated[list[TextPart], Meta(max_length=MAX_PARTS)] | None = None
+    name: Name | None = None
 
 
 class ResponseFormat(msgspec.Struct, frozen=True):
@@ -115,12 +126,14 @@ class ResponseFormat(msgspec.Struct, frozen=True):
 
 
 class ChatRequest(_Common, forbid_unknown_fields=True, frozen=True):
-    messages: list[Message] = msgspec.field(default_factory=list)
+    messages: Annotated[list[Message], Meta(max_length=MAX_MESSAGES)] = msgspec.field(
+        default_factory=list
+    )
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[Any], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
@@ -144,6 +157,7 @@ def decode_body(body: bytes, kind: type[_Common]) -> Any:
     """Decode a JSON body, or raise a 400 naming the offending field."""
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object", code="bad_body")
+    _check_depth(body)
     decoder = _DECODERS.get(kind)
     if decoder is None:
         decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
@@ -160,6 +174,51 @@ def decode_body(body: bytes, kind: type[_Common]) -> Any:
         raise ApiError(400, text, param=param or None, code="invalid_value") from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="bad_json") from None
+
+
+def _check_depth(body: bytes) -> None:
+    """Refuse a body nested deeper than ``MAX_JSON_DEPTH`` with a 400 naming
+    the top-level field it is in, before the decoder recurses into it.
+
+    One vectorised pass: quotes not escaped by an odd run of backslashes
+    toggle "inside a string"; brackets outside strings move the depth.
+    """
+    raw = np.frombuffer(body, np.uint8)
+    opens = (raw == ord("[")) | (raw == ord("{"))
+    closes = (raw == ord("]")) | (raw == ord("}"))
+    if int(opens.sum()) <= MAX_JSON_DEPTH:
+        return  # cannot be too deep: the common case costs two compares
+    backslash = raw == ord("\\")
+    # Length of the run of backslashes ending just before each byte.
+    index = np.arange(len(raw))
+    last_plain = np.maximum.accumulate(np.where(backslash, -1, index))
+    run_before = np.empty(len(raw), np.int64)
+    run_before[0] = 0
+    run_before[1:] = index[:-1] - last_plain[:-1]
+    quote = (raw == ord('"')) & (run_before % 2 == 0)
+    inside = (np.cumsum(quote) - quote) % 2 == 1  # a quote itself is outside
+    step = np.where(inside, 0, opens.astype(np.int64) - closes.astype(np.int64))
+    depth = np.cumsum(step)
+    deep = np.flatnonzero(depth > MAX_JSON_DEPTH)
+    if not len(deep):
+        return
+    at = int(deep[0])
+    # The top-level key before that point: the last quoted string at depth 1
+    # that a colon follows.
+    field = None
+    for match in _KEY.finditer(body, 0, at):
+        if depth[match.start()] == 1 and not inside[match.start()]:
+            field = match.group(1).decode(errors="replace")
+    raise ApiError(
+        400,
+        f"the body is nested more than {MAX_JSON_DEPTH} levels deep"
+        + (f" in {field!r}" if field else ""),
+        param=field,
+        code="too_deep",
+    )
+
+
+_KEY = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:')
 
 
 def _unsupported(request: _Common) -> None:
@@ -307,12 +366,19 @@ def prepare(
             param="max_tokens",
             code="context_length_exceeded",
         )
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ApiError(
+            400,
+            f"temperature must be 0 (greedy) or {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}",
+            param="temperature",
+        )
     seed = None if request.seed is None else request.seed % 2**32
     top_k = max(0, request.top_k or 0)
     if top_k > vocab:
         raise ApiError(400, f"top_k must be at most the vocabulary size {vocab}", param="top_k")
     params = SamplingParams(
-        temperature=1.0 if request.temperature is None else request.temperature,
+        temperature=temperature,
         top_k=top_k,
         top_p=1.0 if request.top_p is None else request.top_p,
         seed=seed,

@@ -12,6 +12,7 @@ page size is known (``resolve_budgets``).
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import tomllib
 from decimal import Decimal, InvalidOperation
@@ -77,6 +78,7 @@ class PrefixEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     text: str | None = None  # tokenized like a prompt (with BOS)
     token_file: str | None = None  # JSON array of ids, or ids separated by whitespace
+    chat_system: str | None = None  # a chat system message, as the chat template renders it
 
 
 class TenantEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -184,8 +186,11 @@ def validate(config: Config) -> None:
         if prefix.name in names:
             raise ConfigError(f"prefixes: the name {prefix.name!r} is used twice")
         names.add(prefix.name)
-        if (prefix.text is None) == (prefix.token_file is None):
-            raise ConfigError(f"prefixes.{prefix.name}: give exactly one of text, token_file")
+        given = [prefix.text, prefix.token_file, prefix.chat_system]
+        if sum(value is not None for value in given) != 1:
+            raise ConfigError(
+                f"prefixes.{prefix.name}: give exactly one of text, token_file, chat_system"
+            )
     tenants: set[str] = set()
     digests: set[str] = set()
     for tenant in config.tenants:
@@ -216,6 +221,8 @@ def validate(config: Config) -> None:
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 

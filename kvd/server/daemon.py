@@ -55,7 +55,14 @@ from kvd.server.config import (
 from kvd.server.http import ServerState, TenantAccess, create_app, create_metrics_app
 from kvd.server.metrics import Metrics
 from kvd.server.runtime import Runtime
-from kvd.server.state import LiveState, PrefixTokens, StateError, StateStore, from_config
+from kvd.server.state import (
+    LiveState,
+    PrefixTokens,
+    StateError,
+    StateStore,
+    from_config,
+    overridden,
+)
 
 log = structlog.get_logger("kvd")
 
@@ -71,19 +78,59 @@ class Loaded:
     live: LiveState  # what the admin API changes, as applied
 
 
-def _free_memory_bytes() -> int:
-    """Memory the pool may take: free device memory, or available host RAM on CPU."""
+# On a CPU the pool shares RAM with everything else on the host: "auto" takes
+# at most this much there (vLLM's CPU backend defaults its KV space to 4 GiB).
+CPU_AUTO_POOL_MAX = 4 << 30
+
+
+def _auto_pool_bytes(weights: int, fraction: float) -> int:
+    """The pool "auto" sizes once ``weights`` bytes of weights are placed:
+    ``fraction`` of free device memory less the weights, or on CPU of the
+    available RAM (where the loaded weights already are: placing them moves
+    them), within the service's memory limit and ``CPU_AUTO_POOL_MAX``."""
     import jax
 
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)) - weights
+        return int(max(0, free) * fraction)
+    free = min(_host_available(), _cgroup_room())
+    return min(int(free * fraction), CPU_AUTO_POOL_MAX)
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     raise ConfigError("pool.size = 'auto' cannot find the free memory here: give a size")
+
+
+def _cgroup_room() -> int:
+    """Memory left under this service's cgroup limit (systemd's MemoryMax=):
+    cgroup v2, then v1; unlimited if neither says."""
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            with open(limit_path) as f:
+                limit = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():
+            return max(0, int(limit) - usage)
+        return 1 << 62  # "max": no limit
+    return 1 << 62
 
 
 def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
@@ -93,18 +140,19 @@ def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
     kv_dtype = config.model.kv_dtype or config.model.dtype
     layout = build_layout(model.config.kv_geometry(kv_dtype), config.pool.block_size)
     if config.pool.size == "auto":
-        weights = sum(int(a.nbytes) for a in model.params.values())
-        budget = int((_free_memory_bytes() - weights) * config.pool.auto_fraction)
+        import jax
+
+        weights = sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(model.params))
+        budget = _auto_pool_bytes(weights, config.pool.auto_fraction)
     else:
         budget = parse_size(config.pool.size)
-    pages = budget // layout.page_bytes
-    blocks = pages // layout.num_groups
-    if blocks < 1:
+    tokens = layout.pool_tokens(budget)
+    if tokens < 1:
         raise ConfigError(
             f"pool: {budget} bytes hold no block of {layout.num_groups} pages "
             f"of {layout.page_bytes} bytes"
         )
-    return blocks * config.pool.block_size, layout.page_bytes
+    return tokens, layout.page_bytes
 
 
 def load(
@@ -217,6 +265,8 @@ def config_prefixes(config: Config, model: LoadedModel) -> list[PrefixTokens]:
     for prefix in config.prefixes:
         if prefix.text is not None:
             tokens = model.tokenizer.encode(prefix.text)
+        elif prefix.chat_system is not None:
+            tokens = model.tokenizer.chat_system_prefix(prefix.chat_system)
         else:
             assert prefix.token_file is not None
             tokens = read_token_file(config.path(prefix.token_file))
@@ -318,6 +368,20 @@ class Daemon:
         config = self.config
         log.info("lifecycle.start", version=__version__, pid=os.getpid(), model=config.served_model)
         saved = self.store.load()  # a corrupt state file stops the start here
+        if saved is not None:
+            differs = overridden(config, saved)
+            self.admin.restored = {"file": str(self.store.path), "overrides": differs}
+            # The file wins over the config (it holds the admin changes made
+            # live): an operator who edited the config must hear of it.
+            (log.warning if differs else log.info)(
+                "lifecycle.state_restored",
+                path=str(self.store.path),
+                overrides=differs,
+                hint="the state file's settings replace these config sections; "
+                "apply edits with kvctl, or remove the file to start from the config"
+                if differs
+                else None,
+            )
         async with trio.open_nursery() as nursery:  # signals, watchdog, the engine task
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(systemd.watchdog, self._alive)
@@ -403,6 +467,7 @@ class Daemon:
         )
         self.runtime = runtime
         state = self.state
+        runtime.latency_sink = state.metrics.observe_latencies
         state.runtime = runtime
         self.admin.live = loaded.live
         # The keys of the tenants in force (the state file's, after a restart).

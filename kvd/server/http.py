@@ -24,11 +24,11 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from kvd.engine.tokenizer import Tokenizer
-from kvd.sched.scheduler import Rejection
+from kvd.sched.scheduler import Rejection, StepEvent
 from kvd.server.api import ApiError, ChatRequest, CompletionRequest, Prepared, decode_body, prepare
 from kvd.server.config import key_digest
 from kvd.server.metrics import CONTENT_TYPE, Metrics
-from kvd.server.runtime import Runtime, Ticket
+from kvd.server.runtime import Runtime, Ticket, waiting_batches
 from kvd.server.textstream import TextStream
 
 log = structlog.get_logger("kvd")
@@ -234,6 +234,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
                 cache_salt=prepared.cache_salt,
                 deadline_s=state.queue_timeout,
                 request_id=request_id,
+                arrival=arrival,
             )
         except Rejection as exc:
             if exc.code == "rate_limited":
@@ -250,7 +251,11 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
         if exc.status >= 500 or exc.status == 413:
             log.info("request.refused", request_id=request_id, status=exc.status, code=exc.code)
         return _error(exc, reply_id)
-    relay = Relay(state, access.name, ticket, prepared, arrival, kind is ChatRequest)
+    try:
+        relay = Relay(state, access.name, ticket, prepared, arrival, kind is ChatRequest)
+    except BaseException:
+        runtime.cancel(ticket)  # no reader would ever end it
+        raise
     start_fields: dict[str, Any] = {}
     if state.log_prompts:
         start_fields["prompt"] = relay.tokenizer.decode(prepared.prompt)
@@ -294,6 +299,8 @@ async def _prepare(state: ServerState, decoded: Any, size: int) -> Prepared:
 class Relay:
     """One request's tokens on their way to its client."""
 
+    _closed = True  # until built: a relay whose __init__ failed has nothing to end
+
     def __init__(
         self,
         state: ServerState,
@@ -325,33 +332,50 @@ class Relay:
     # -- tokens --------------------------------------------------------------------
 
     async def deltas(self) -> AsyncIterator[tuple[str, int, str | None]]:
-        """(new text, how many new tokens, finish reason or None), as they come."""
-        runtime, metrics = self.runtime, self.state.metrics
-        async for event in self.ticket.events:
-            if event.token is None:  # ended without a token: abort, deadline, cancel
-                self.finish_reason = event.finish_reason
+        """(new text, how many new tokens, finish reason or None), as they
+        come: every token waiting when the reader wakes is taken at once, so
+        a client that reads slower than the engine steps gets fewer, larger
+        chunks, not a backlog of one-token ones."""
+        async for batch in waiting_batches(self.ticket.events):
+            ended = batch[-1] if batch[-1].token is None else None
+            tokens = batch[:-1] if ended is not None else batch
+            if tokens:
+                delta, count, finish = self._take(tokens)
+                yield delta, count, finish
+                if finish is not None:
+                    return
+            if ended is not None:  # ended without a token: abort, deadline, cancel
+                self.finish_reason = ended.finish_reason
                 yield self.text.flush(), 0, self.finish_reason
                 return
-            now = time.monotonic()
-            if self.first_token_at is None:
-                self.first_token_at = now
-                metrics.ttft.labels(self.tenant).observe(now - self.arrival)
-            elif self.last_token_at is not None:
-                metrics.itl.labels(self.tenant).observe(now - self.last_token_at)
-            self.last_token_at = now
-            self.tokens.append(event.token)
-            self.logprobs.append(event.logprob)
-            delta = self.text.push(event.token)
-            if self.text.stopped:  # a stop string: the rest is not wanted
-                runtime.cancel(self.ticket)
-                self.finish_reason = "stop"
-                yield delta, 1, "stop"
-                return
-            if event.finished:
-                self.finish_reason = event.finish_reason
-                yield delta + self.text.flush(), 1, self.finish_reason
-                return
-            yield delta, 1, None
+
+    def _take(self, events: list[StepEvent]) -> tuple[str, int, str | None]:
+        """Text for a run of token events, and the finish reason if they end it."""
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        last = events[-1]
+        finish = last.finish_reason if last.finished else None
+        if self.text.has_stops:
+            # One at a time: the token that completes a stop string is the last.
+            parts = []
+            for taken, event in enumerate(events, 1):
+                parts.append(self.text.push(event.token))  # type: ignore[arg-type]
+                if self.text.stopped:  # a stop string: the rest is not wanted
+                    self.runtime.cancel(self.ticket)
+                    events, finish = events[:taken], "stop"
+                    break
+            delta = "".join(parts)
+        else:
+            delta = self.text.push_many([e.token for e in events])  # type: ignore[misc]
+        self.tokens.extend(e.token for e in events)  # type: ignore[misc]
+        self.logprobs.extend(e.logprob for e in events)
+        if finish is not None:
+            self.finish_reason = finish
+            if finish != "stop" or not self.text.stopped:
+                delta += self.text.flush()
+        return delta, len(events), finish
 
     # -- bodies ----------------------------------------------------------------------
 
@@ -504,9 +528,11 @@ class Relay:
 
     def __del__(self) -> None:
         # A client that left before the body was first iterated: the stream's
-        # finally never ran, so the request is ended when the relay is dropped.
+        # finally never ran, so the request is ended when the relay is
+        # dropped. The collector may run on any thread (a step's worker, say):
+        # the close is handed to the event loop's thread.
         if not self._closed:
-            self._close()
+            self.runtime.run_soon(self._close)
 
     def _close(self) -> None:
         """Runs however the relay ends: cancels the request if it is still live."""

@@ -2,17 +2,19 @@
 
 Pool and tenant figures are read from the engine task's latest snapshot when
 scraped (a collector, so nothing is updated per step). Latency histograms
-(TTFT, inter-token, queue time) are observed by the HTTP handlers, per
-tenant, at the moment a client is sent its tokens.
+(TTFT, inter-token) are observed per tenant by the engine task when it hands
+a step's tokens to their requests, a whole step at a time (one bucket search
+per tenant and step, not a labelled observation per token).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvd.server.runtime import Runtime
@@ -118,24 +120,59 @@ class SchedulerCollector(Collector):
         yield preempted
 
 
+class TenantHistogram(Collector):
+    """A per-tenant latency histogram observed in bulk: each call files a
+    whole array of values with one bucket search."""
+
+    def __init__(self, name: str, text: str, buckets: Sequence[float]) -> None:
+        self.name, self.text = name, text
+        self.bounds = np.asarray(buckets, np.float64)
+        self._counts: dict[str, np.ndarray[Any, Any]] = {}
+        self._sums: dict[str, float] = {}
+
+    def observe(self, tenant: str, values: Sequence[float]) -> None:
+        if not len(values):
+            return
+        array = np.asarray(values, np.float64)
+        counts = self._counts.get(tenant)
+        if counts is None:
+            counts = self._counts[tenant] = np.zeros(len(self.bounds) + 1, np.int64)
+            self._sums[tenant] = 0.0
+        # Prometheus buckets are "<= bound": the first bound not below the value.
+        counts += np.bincount(
+            np.searchsorted(self.bounds, array, side="left"), minlength=len(counts)
+        )
+        self._sums[tenant] += float(array.sum())
+
+    def collect(self) -> Iterator[Any]:
+        family = HistogramMetricFamily(self.name, self.text, labels=["tenant"])
+        labels = [*(f"{b:g}" for b in self.bounds), "+Inf"]
+        for tenant, counts in list(self._counts.items()):
+            cumulative = np.cumsum(counts).tolist()
+            family.add_metric(
+                [tenant],
+                list(zip(labels, cumulative, strict=True)),
+                sum_value=self._sums[tenant],
+            )
+        yield family
+
+
 class Metrics:
     def __init__(self, runtime: Callable[[], Runtime | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(runtime))
-        self.ttft = Histogram(
+        self.ttft = TenantHistogram(
             "kvd_time_to_first_token_seconds",
-            "Arrival to first token sent",
-            ["tenant"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            "Arrival to the first token handed to the client's connection",
+            LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = TenantHistogram(
             "kvd_inter_token_latency_seconds",
-            "Time between tokens sent to a client",
-            ["tenant"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            "Time between tokens handed to a client's connection",
+            LATENCY_BUCKETS,
         )
+        self.registry.register(self.ttft)
+        self.registry.register(self.itl)
         self.http = Counter(
             "kvd_http_requests",
             "HTTP responses by route and status",
@@ -148,6 +185,10 @@ class Metrics:
             ["tenant", "outcome"],
             registry=self.registry,
         )
+
+    def observe_latencies(self, tenant: str, ttft: list[float], itl: list[float]) -> None:
+        self.ttft.observe(tenant, ttft)
+        self.itl.observe(tenant, itl)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,11 +11,12 @@ takes effect before the next step: its pages are released within one step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -40,6 +41,8 @@ class Ticket:
     tenant: str
     send: trio.MemorySendChannel[StepEvent]
     events: trio.MemoryReceiveChannel[StepEvent]
+    arrival: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None  # when the engine handed over its last token
     accepted: trio.Event = field(default_factory=trio.Event)
     rejection: Rejection | None = None
     request: Request | None = None
@@ -77,6 +80,9 @@ class Runtime:
         self._idle = trio.Event()
         self._idle.set()
         self._totals = StepTotals()
+        # Called per tenant and step with its (time to first token, inter-token) values.
+        self.latency_sink: Callable[[str, list[float], list[float]], None] | None = None
+        self._trio_token = trio.lowlevel.current_trio_token()
 
     # -- the handlers' side ------------------------------------------------------
 
@@ -94,6 +100,7 @@ class Runtime:
         cache_salt: str | None = None,
         deadline_s: float | None = None,
         request_id: str | None = None,
+        arrival: float | None = None,
     ) -> Ticket:
         """Queue a request; returns its ticket once admitted to a queue, or
         raises Rejection (the scheduler's, or 503 while draining)."""
@@ -107,7 +114,9 @@ class Runtime:
                 retry_after=2.0,
             )
         send, receive = trio.open_memory_channel[StepEvent](math.inf)
-        ticket = Ticket(request_id or uuid.uuid4().hex, tenant, send, receive)
+        ticket = Ticket(
+            request_id or uuid.uuid4().hex, tenant, send, receive, arrival or time.monotonic()
+        )
         self._live[ticket.request_id] = ticket
         self._idle = trio.Event() if self._idle.is_set() else self._idle
 
@@ -146,6 +155,13 @@ class Runtime:
             return
         self._forget(ticket)
         self._post(lambda: self.scheduler.cancel(ticket.request_id))
+
+    def run_soon(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the event loop's thread soon; callable from any
+        thread, a garbage collector's ``__del__`` included. Dropped once the
+        loop has ended (nothing is left to clean up then)."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self._trio_token.run_sync_soon(fn)
 
     async def wait_idle(self) -> None:
         """Until no request is in flight."""
@@ -239,13 +255,27 @@ class Runtime:
 
     def _dispatch(self, events: list[StepEvent]) -> None:
         live = self._live
+        now = time.monotonic()
+        first: dict[str, list[float]] = {}
+        gaps: dict[str, list[float]] = {}
         for event in events:
             ticket = live.get(event.request_id)
             if ticket is None:
                 continue  # its client is gone; the cancel is queued
             ticket.send.send_nowait(event)
+            if event.token is not None:
+                last = ticket.last_token_at
+                if last is None:
+                    first.setdefault(ticket.tenant, []).append(now - ticket.arrival)
+                else:
+                    gaps.setdefault(ticket.tenant, []).append(now - last)
+                ticket.last_token_at = now
             if event.finished:
                 self._forget(ticket)
+        sink = self.latency_sink
+        if sink is not None:
+            for tenant in first.keys() | gaps.keys():
+                sink(tenant, first.get(tenant, []), gaps.get(tenant, []))
 
     def _log_preemptions(self) -> None:
         notices = self.scheduler.preemption_log
@@ -274,3 +304,21 @@ class Runtime:
                 cached_pages=stats.cached_pages,
             )
             self._totals = StepTotals(since=now)
+
+
+async def waiting_batches(
+    events: trio.MemoryReceiveChannel[StepEvent],
+) -> AsyncIterator[list[StepEvent]]:
+    """The events of a channel, every one waiting when the reader wakes as
+    one list: a reader slower than the engine catches up in one go."""
+    while True:
+        try:
+            batch = [await events.receive()]
+        except trio.EndOfChannel:
+            return
+        while True:
+            try:
+                batch.append(events.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        yield batch

@@ -95,10 +95,20 @@ class StateStore:
             ) from None
 
     def save(self, state: LiveState) -> None:
+        self.write(self.encode(state))
+
+    @staticmethod
+    def encode(state: LiveState) -> bytes:
+        """The file's bytes for ``state``: a snapshot, cheap to take at a
+        step boundary; ``write`` (disk, fsync) can then run anywhere."""
         raw = msgspec.json.encode(state)
-        body = msgspec.json.encode(
+        return msgspec.json.encode(
             {"format": FORMAT, "sha256": _digest(raw), "state": msgspec.Raw(raw)}
         )
+
+    def write(self, body: bytes) -> None:
+        """Make ``body`` the state file, durably; the old good one becomes
+        the previous. Blocking: call it from a worker thread."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             try:
@@ -123,6 +133,21 @@ class StateStore:
             os.fsync(directory)
         finally:
             os.close(directory)
+
+
+def overridden(config: Config, saved: LiveState) -> list[str]:
+    """The config's settings that a saved state replaces with different
+    values (prefixes compared by name: the config's are not tokenized yet)."""
+    differs = []
+    if msgspec.json.encode(saved.tenants) != msgspec.json.encode(config.tenants):
+        differs.append("tenants")
+    if saved.mode != config.budget.mode:
+        differs.append("budget.mode")
+    if saved.policy != config.sharing.policy:
+        differs.append("sharing.policy")
+    if [p.name for p in saved.prefixes] != [p.name for p in config.prefixes]:
+        differs.append("prefixes")
+    return differs
 
 
 def from_config(config: Config, prefixes: list[PrefixTokens]) -> LiveState:

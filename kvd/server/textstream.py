@@ -20,11 +20,21 @@ class TextStream:
         self._pending = ""
         self.stopped = False  # a stop string was found: generation should end
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stop)
+
     def push(self, token: int) -> str:
         """Text that may be sent now (possibly empty)."""
+        return self.push_many((token,))
+
+    def push_many(self, tokens: tuple[int, ...] | list[int]) -> str:
+        """Text that may be sent now, after several tokens decoded at once.
+        With stop strings, push one token at a time instead: a stop found
+        here cannot say which of the tokens completed it."""
         if self.stopped:
             return ""
-        self._pending += self._decoder.push((token,))
+        self._pending += self._decoder.push(tuple(tokens))
         return self._release(final=False)
 
     def flush(self) -> str:

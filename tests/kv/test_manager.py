@@ -194,6 +194,24 @@ def test_public_prefix_is_the_only_cross_tenant_hit(layout: PageLayout) -> None:
     assert kv.lookup(d).num_tokens == 0
 
 
+def test_public_prefixes_match_by_the_full_blocks_that_agree(layout: PageLayout) -> None:
+    """A request that leaves the prefix in its partial last block, or in a
+    later full block (a tokenizer merge at the boundary), still shares every
+    full block before that point: one token of difference costs one block,
+    not the match."""
+    kv = make_kv(layout)
+    kv.add_public_prefix("system", PREFIX + [9])  # 2 full blocks and a partial one
+    a = kv.add_sequence(1, "a", PREFIX + [7, 1, 2, 3])  # differs in the partial block
+    prefill(kv, a)
+    b = kv.add_sequence(2, "b", PREFIX + [6, 5, 4, 3])
+    assert kv.lookup(b).num_tokens == 2 * BLOCK  # a's public blocks
+    c = kv.add_sequence(3, "b", PREFIX[:BLOCK] + [5] * BLOCK)  # differs in block 1
+    assert kv.lookup(c).num_tokens == BLOCK
+    assert kv.public.matches(PREFIX[:BLOCK] + [5] * BLOCK, BLOCK) == [("system", 1, 1)]
+    assert kv.public.matches([5] * 2 * BLOCK, BLOCK) == []
+    kv.check_invariants()
+
+
 def test_removing_a_public_prefix_unpublishes_its_pages(layout: PageLayout) -> None:
     kv = make_kv(layout)
     kv.add_public_prefix("system", PREFIX)

@@ -125,6 +125,52 @@ def test_rate_limit_refuses_with_a_correct_retry_after(engine) -> None:  # type:
     run_to_end(scheduler)
 
 
+def test_tokens_per_minute_refunds_what_was_not_generated(engine) -> None:  # type: ignore[no-untyped-def]
+    """Admission pays prompt + max_tokens; the end gives back what was not
+    used, so a request cancelled in the queue costs nothing and one stopped
+    early costs its prompt and what it generated."""
+    limited = TenantConfig("slow", limits=RateLimits(tokens_per_minute=100))
+    scheduler = make_scheduler(engine, slow=limited)
+    bucket = scheduler.limiters["slow"].tokens
+    assert bucket is not None
+    scheduler.submit("a", "slow", prompt(2, 20), greedy(60))  # 80 of 100
+    with pytest.raises(Rejection):
+        scheduler.submit("b", "slow", prompt(3, 20), greedy(60))
+    scheduler.cancel("a")  # never started: all 80 back
+    assert bucket.level == pytest.approx(100)
+    request = scheduler.submit("b", "slow", prompt(3, 20), greedy(60))
+    while len(request.output) < 5:
+        scheduler.step()
+    used = 20 + len(request.output)
+    scheduler.cancel("b")
+    assert bucket.level == pytest.approx(100 - used)
+    last = scheduler.submit("c", "slow", prompt(4, 20), greedy(60 - used))  # fits after the refund
+    run_to_end(scheduler)
+    assert bucket.level == pytest.approx(100 - used - 20 - len(last.output))
+
+
+def test_a_tenant_with_live_requests_cannot_be_removed(engine) -> None:  # type: ignore[no-untyped-def]
+    scheduler = make_scheduler(engine, a=TenantConfig("a"), b=TenantConfig("b"))
+    scheduler.submit("queued", "a", prompt(1, 8), greedy(4))
+    with pytest.raises(ValueError, match="1 live requests"):
+        scheduler.remove_tenant("a")
+    run_to_end(scheduler)
+    scheduler.remove_tenant("a")
+    assert "a" not in scheduler.tenants
+
+
+def test_static_mode_refuses_by_the_reservation(engine) -> None:  # type: ignore[no-untyped-def]
+    """In static mode a tenant's limit is its reservation, not its burst cap
+    or the pool: a request beyond it is a 413 that says so, not a wait."""
+    tenant = TenantConfig("s", reservation_pages=8, cap_pages=64)
+    scheduler = make_scheduler(engine, mode=BudgetMode.STATIC, s=tenant)
+    assert engine.kv.layout.pages_for_tokens(40 + 80) > 8
+    with pytest.raises(Rejection) as refused:
+        scheduler.submit("big", "s", prompt(1, 40), greedy(80))
+    assert refused.value.status == 413
+    assert "your reservation (the budget is static) allows 8" in str(refused.value)
+
+
 def test_admission_errors(engine) -> None:  # type: ignore[no-untyped-def]
     scheduler = make_scheduler(engine)
     cases = [
@@ -279,7 +325,7 @@ def test_a_request_that_can_never_fit_is_refused_at_once(engine) -> None:  # typ
     assert pages > 8
     with pytest.raises(Rejection) as refused:
         scheduler.submit("big", "small", prompt(1, 40), greedy(80))
-    assert refused.value.status == 413 and "burst cap is 8" in str(refused.value)
+    assert refused.value.status == 413 and "your burst cap allows 8" in str(refused.value)
     scheduler.submit("fits", "small", prompt(2, 4), greedy(1))
     run_to_end(scheduler)
 

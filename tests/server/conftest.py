@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,16 @@ requests_per_minute = 2
 """
 
 
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
+    """Poll ``condition`` until it holds: tests wait for states, not for time
+    (a busy machine stretches every duration)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
 class DaemonProcess:
     """A running ``kvd serve``; its log events are collected as they come."""
 
@@ -88,8 +98,12 @@ class DaemonProcess:
         self.events: list[dict[str, Any]] = []
         self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.stderr: list[str] = []
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self._readers = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
         try:
             listening = self.wait_for("lifecycle.listening", ready_timeout)
             self.url = listening["addresses"][0]
@@ -140,6 +154,10 @@ class DaemonProcess:
     def named(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == name]
 
+    def wait_count(self, name: str, count: int, timeout: float = 60) -> None:
+        """Until ``count`` events named ``name`` have been logged."""
+        wait_until(lambda: len(self.named(name)) >= count, f"{count} x {name}", timeout)
+
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.metrics_url}/metrics").text
         values = {}
@@ -170,6 +188,10 @@ class DaemonProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        # The readers end at the pipes' EOF; closing a pipe under a reader
+        # still in it would raise in its thread.
+        for reader in self._readers:
+            reader.join(timeout=30)
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()

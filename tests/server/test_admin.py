@@ -8,14 +8,20 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.server.conftest import ALICE, BOB, DaemonEnv, DaemonProcess, write_config
+from tests.server.conftest import (
+    ALICE,
+    BOB,
+    DaemonEnv,
+    DaemonProcess,
+    wait_until,
+    write_config,
+)
 
 DAVE = "kvd-test-dave"
 MODEL = "random"
@@ -66,34 +72,22 @@ def test_status_top_and_usage_errors(tiny_daemon: DaemonProcess) -> None:
     assert gone.returncode == 3 and "absent.sock" in gone.stderr
 
 
-def test_reservation_change_lets_a_queued_request_start(start_daemon: Any) -> None:
+def test_reservation_change_lets_a_refused_request_in(start_daemon: Any) -> None:
+    """In static mode a tenant's reservation is its limit: with none, its
+    requests are a 413 that says so at once (not a wait that nothing ends);
+    raising the reservation live lets them in."""
     daemon: DaemonProcess = start_daemon()
     assert kvctl(daemon, "budget", "set", "static").returncode == 0
     added = kvctl(daemon, "tenant", "add", "dave", "--key", DAVE, "--reservation", "0")
     assert added.returncode == 0, added.stderr
-    out: dict[str, Any] = {}
-
-    def call() -> None:
-        out["response"] = complete(daemon, DAVE, "waiting for pages", max_tokens=3)
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while True:  # static mode, no reservation: no page, so it waits
-        dave = next(t for t in status(daemon)["tenants"] if t["name"] == "dave")
-        if dave["waiting"] == 1:
-            break
-        assert time.monotonic() < deadline, dave
-        time.sleep(0.2)
-    time.sleep(0.5)
-    assert "response" not in out
-    busy = kvctl(daemon, "tenant", "remove", "dave")
-    assert busy.returncode == 1 and "1 live requests" in busy.stderr
+    refused = complete(daemon, DAVE, "no pages of my own", max_tokens=3)
+    assert refused.status_code == 413, refused.text
+    assert "your reservation (the budget is static) allows 0" in refused.json()["error"]["message"]
     raised = kvctl(daemon, "tenant", "set", "dave", "--reservation", "10%")
     assert raised.returncode == 0, raised.stderr
-    thread.join(timeout=30)
-    assert out["response"].status_code == 200, out["response"].text
-    assert out["response"].json()["usage"]["completion_tokens"] == 3
+    response = complete(daemon, DAVE, "pages of my own", max_tokens=3)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
     removed = kvctl(daemon, "tenant", "remove", "dave")
     assert removed.returncode == 0, removed.stderr
     assert complete(daemon, DAVE, "gone").status_code == 401
@@ -143,7 +137,7 @@ def test_drain_wait_and_undrain(start_daemon: Any) -> None:
 
     thread = threading.Thread(target=stream)
     thread.start()
-    time.sleep(0.3)
+    daemon.wait_count("request.start", 1)
     waiting = subprocess.Popen(
         [sys.executable, "-m", "kvctl.cli", "--socket", str(daemon.admin_socket),
          "drain", "--wait", "--timeout", "60"],
@@ -151,7 +145,7 @@ def test_drain_wait_and_undrain(start_daemon: Any) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    time.sleep(1.0)
+    wait_until(lambda: status(daemon)["draining"], "kvctl drain took effect")
     refused = complete(daemon, BOB, "new work")
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     assert httpx.get(f"{daemon.url}/ready").status_code == 503
@@ -200,6 +194,12 @@ def test_changes_survive_kill_9_and_corruption_is_refused(
         assert bob["reservation"] == "40%"
         assert data["sharing_policy"] == "shared" and data["budget_mode"] == "static"
         assert "dave" in {t["name"] for t in data["tenants"]}
+        # The file replaced the config's sections: said at start, and in status.
+        overrides = ["tenants", "budget.mode", "sharing.policy"]
+        assert data["state"]["restored"]["overrides"] == overrides
+        restored = restarted.wait_for("lifecycle.state_restored")
+        assert restored["level"] == "warning" and restored["overrides"] == overrides
+        assert "overrides the config's tenants" in kvctl(restarted, "status").stdout
         assert complete(restarted, DAVE, "I persist").status_code == 200
         assert len(json.loads(kvctl(restarted, "audit", "--json").stdout)) == 4
         assert restarted.terminate() == 0

@@ -262,6 +262,47 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 300}, 413, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/completions", b"x" * (65 * 1024), 413, None),
+    # Depth and count limits: refused before the decoder recurses or allocates.
+    (
+        "/v1/completions",
+        b'{"model": "random", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        400,
+        "prompt",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "random", "messages": [{"role": "user", "content": "x"}], "tool_choice": '
+        + b'{"a": ' * 5000
+        + b"1"
+        + b"}" * 5000
+        + b"}",
+        400,
+        "tool_choice",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model":"random","messages":['
+        + b",".join([b'{"role":"user","content":""}'] * 2049)
+        + b"]}",
+        400,
+        "messages",
+    ),
+    # Sampling parameters the engine cannot represent exactly in float32.
+    (
+        "/v1/completions",
+        b'{"model": "random", "prompt": "x", "temperature": 1e39}',
+        400,
+        "temperature",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 1e308}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 1e-9}, 400, "temperature"),
 ]
 
 
@@ -342,6 +383,27 @@ def test_nulls_mean_defaults_and_top_k_is_bounded(tiny_daemon: DaemonProcess) ->
     assert huge.status_code == 400 and huge.json()["error"]["param"] == "top_k"
     over = post(tiny_daemon, "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 10**6})
     assert over.status_code == 400 and over.json()["error"]["param"] == "top_k"
+    # Beyond the 256 candidates top-k is still exact (a whole-vocabulary cut).
+    wide = {"model": MODEL, "prompt": "x", "top_k": 5000, "top_p": 0.99, "max_tokens": 3}
+    assert post(tiny_daemon, "/v1/completions", wide).status_code == 200
+
+
+def test_developer_role_is_a_system_message(tiny_daemon: DaemonProcess) -> None:
+    """OpenAI's current name for the system role: the same prompt as system."""
+
+    def prompt_tokens(role: str) -> int:
+        reply = client(tiny_daemon).chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": role, "content": "Answer in one word."},  # type: ignore[misc]
+                {"role": "user", "content": "Colour of the sky?"},
+            ],
+            max_tokens=1,
+        )
+        assert reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    assert prompt_tokens("developer") == prompt_tokens("system")
 
 
 def test_a_tensor_parallel_daemon_answers_the_same(

@@ -56,7 +56,10 @@ def test_dev_config_matches_the_readme() -> None:
         (TENANT + "reservation = 'lots'\n", "tenants.alice.reservation"),
         (TENANT + "tier = 'gold'\n", "unknown tier 'gold'"),
         (TENANT + "weight = -1.0\n", "tenants.alice.weight: must be > 0"),
-        ("[[prefixes]]\nname = 'p'\n" + TENANT, "exactly one of text, token_file"),
+        (TENANT + "weight = nan\n", "tenants.alice.weight: must be a finite number"),
+        (TENANT + "tokens_per_minute = inf\n", "tokens_per_minute: must be a finite number"),
+        ("[server]\ndrain_timeout = inf\n" + TENANT, "server.drain_timeout: must be a finite"),
+        ("[[prefixes]]\nname = 'p'\n" + TENANT, "exactly one of text, token_file, chat_system"),
         ("[server\n" + TENANT, "not valid TOML"),
     ],
 )

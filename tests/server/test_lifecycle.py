@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.server.conftest import ALICE, BOB, DaemonProcess
+from tests.server.conftest import ALICE, BOB, DaemonProcess, wait_until
 
 MODEL = "random"
 
@@ -98,7 +98,7 @@ def test_sigterm_drains_streams_then_exits_zero(start_daemon: Any) -> None:
         threads.append(threading.Thread(target=read_stream, args=(daemon, body, out)))
     for thread in threads:
         thread.start()
-    time.sleep(0.5)
+    daemon.wait_count("request.start", 10)  # every stream admitted
     sent = time.monotonic()
     daemon.proc.send_signal(signal.SIGTERM)
     daemon.wait_for("lifecycle.draining")
@@ -115,7 +115,7 @@ def test_sigterm_drains_streams_then_exits_zero(start_daemon: Any) -> None:
     for thread in threads:
         thread.join(timeout=10)
     assert code == 0, daemon.tail()
-    assert elapsed < 4.0 + 2.0, elapsed
+    assert elapsed < 4.0 + 1.5 + 2.5, elapsed  # drain + hard deadline + a busy exit
     for out in results[:8]:
         assert out["lines"][-1] == "data: [DONE]", out
     for out in results[8:]:  # cut at the drain timeout: an error event, no [DONE]
@@ -137,15 +137,22 @@ def test_a_client_that_stops_reading_cannot_hold_shutdown(start_daemon: Any) -> 
         )
         for i in range(4)
     ]
-    time.sleep(2.0)
+    daemon.wait_count("request.start", 4)
+    # Far more than the socket buffers hold (a logprobs chunk is ~200 bytes).
+    wait_until(
+        lambda: (
+            daemon.metrics().get('kvd_tenant_completion_tokens_total{tenant="alice"}', 0) >= 4 * 300
+        ),
+        "the streams ran past their socket buffers",
+    )
     sent = time.monotonic()
     daemon.proc.send_signal(signal.SIGTERM)
     code = daemon.proc.wait(timeout=30)
     elapsed = time.monotonic() - sent
     for sock in stuck:
         sock.close()
-    # drain_timeout 1.0 + hard_deadline 1.5, plus process exit.
-    assert elapsed < 1.0 + 1.5 + 1.0, elapsed
+    # drain_timeout 1.0 + hard_deadline 1.5, plus process exit (slow when busy).
+    assert elapsed < 1.0 + 1.5 + 2.5, elapsed
     assert code == 0, daemon.tail()
     assert daemon.wait_for("lifecycle.drained")["clean"]
     # Whether the sends really blocked depends on the kernel's buffer sizing;
@@ -160,13 +167,13 @@ def test_second_signal_exits_at_once(start_daemon: Any) -> None:
     body = {"prompt": "long", "max_tokens": 2000}
     thread = threading.Thread(target=read_stream, args=(daemon, body, out))
     thread.start()
-    time.sleep(0.5)
+    daemon.wait_count("request.start", 1)
     daemon.proc.send_signal(signal.SIGTERM)
     daemon.wait_for("lifecycle.draining")
     sent = time.monotonic()
     daemon.proc.send_signal(signal.SIGINT)
     code = daemon.proc.wait(timeout=10)
-    assert time.monotonic() - sent < 2.0
+    assert time.monotonic() - sent < 5.0  # at once, against a 30 s drain
     assert code == 1
     thread.join(timeout=10)
 
@@ -253,7 +260,10 @@ def test_systemd_notify_ready_status_watchdog(tmp_path: Any, daemon_env: dict[st
     try:
         daemon = DaemonProcess(write_config(tmp_path / "kvd.toml"), env)
         ready_at = time.monotonic()
-        time.sleep(1.0)
+        wait_until(
+            lambda: sum(text == "WATCHDOG=1" for _, text in messages) >= 3,
+            "three watchdog pings",
+        )
         assert daemon.terminate() == 0
     finally:
         stop.set()
@@ -263,7 +273,7 @@ def test_systemd_notify_ready_status_watchdog(tmp_path: Any, daemon_env: dict[st
     assert texts[0].startswith("STATUS=loading") and texts[1] == "READY=1\nSTATUS=serving"
     texts = [text for _, text in messages]
     ready = [at for at, text in messages if "READY=1" in text]
-    assert len(ready) == 1 and ready[0] <= ready_at + 0.5
+    assert len(ready) == 1 and ready[0] <= ready_at + 2.0  # slack for a busy machine
     assert sum(text == "WATCHDOG=1" for text in texts) >= 3
     assert any(text.startswith("STOPPING=1") for text in texts)
 

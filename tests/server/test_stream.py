@@ -1,0 +1,52 @@
+"""Streaming in batches: what waits when a reader wakes is taken at once, and
+text decoded from several tokens at once equals the token-by-token text."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from kvd.engine.loader import random_model_with_tokenizer
+from kvd.engine.tokenizer import Tokenizer
+from kvd.sched.scheduler import StepEvent
+from kvd.server.runtime import waiting_batches
+from kvd.server.textstream import TextStream
+
+
+def test_a_slow_reader_gets_what_waits_as_one_batch() -> None:
+    async def main() -> list[list[int | None]]:
+        send, receive = trio.open_memory_channel[StepEvent](100)
+        seen: list[list[int | None]] = []
+        for token in range(5):  # the engine ran 5 steps before the reader woke
+            send.send_nowait(StepEvent("r", token, 0.0, False))
+        batches = waiting_batches(receive)
+        seen.append([e.token for e in await anext(batches)])
+        send.send_nowait(StepEvent("r", 5, 0.0, False))
+        seen.append([e.token for e in await anext(batches)])
+        send.send_nowait(StepEvent("r", 6, 0.0, True, "length"))
+        send.send_nowait(StepEvent("r", None, 0.0, True, "cancelled"))
+        await send.aclose()
+        seen.append([e.token for e in await anext(batches)])
+        with pytest.raises(StopAsyncIteration):
+            await anext(batches)
+        return seen
+
+    assert trio.run(main) == [[0, 1, 2, 3, 4], [5], [6, None]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    model = random_model_with_tokenizer(max_position=64)
+    assert model.tokenizer is not None
+    return model.tokenizer
+
+
+def test_many_tokens_at_once_decode_as_one_at_a_time(tokenizer: Tokenizer) -> None:
+    text = "Les élèves 東京 naïve — emoji 🙂 and\nnew lines. " * 3
+    ids = tokenizer.encode(text)[1:]  # without BOS
+    one = TextStream(tokenizer)
+    singly = "".join(one.push(t) for t in ids) + one.flush()
+    for size in (2, 3, 7, len(ids)):
+        many = TextStream(tokenizer)
+        chunks = [many.push_many(ids[i : i + size]) for i in range(0, len(ids), size)]
+        assert "".join(chunks) + many.flush() == singly == text
