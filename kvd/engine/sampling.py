@@ -32,6 +32,7 @@ from kvd.engine.sampling_params import (  # re-exported: the engine's names
 )
 
 CANDIDATES = 256
+BEYOND_ROWS = 4  # rows cut over the whole vocabulary at a time
 __all__ = ["MAX_STOP_IDS", "MAX_TEMPERATURE", "MIN_TEMPERATURE", "SamplingParams", "sample"]
 
 
@@ -77,7 +78,8 @@ def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
     )
     vocab = logits.shape[0]
     scaled = logits / jnp.maximum(params.temperature, MIN_TEMPERATURE)[None, :]  # [V, S]
-    truncating = (params.top_k > 0) | (params.top_p < 1.0)
+    # A greedy row's draw is thrown away: it must not ask for a truncation.
+    truncating = ((params.top_k > 0) | (params.top_p < 1.0)) & (params.temperature > 0)
 
     def whole_vocabulary() -> jax.Array:  # Gumbel-max over all V tokens
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys)  # [S, V]
@@ -88,12 +90,13 @@ def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
         beyond = truncating & ~exact
         wide = jax.lax.cond(
             jnp.any(beyond),
-            lambda: _beyond_candidates(scaled, params, keys),
+            lambda: _beyond_candidates(scaled, params, keys, beyond),
             lambda: jnp.zeros_like(tokens),
         )
         return jnp.where(exact, tokens, wide)
 
-    free = jax.lax.cond(jnp.all(truncating), lambda: jnp.zeros_like(params.top_k), whole_vocabulary)
+    drawing = (params.temperature > 0) & ~truncating
+    free = jax.lax.cond(jnp.any(drawing), whole_vocabulary, lambda: jnp.zeros_like(params.top_k))
     cut = jax.lax.cond(jnp.any(truncating), truncated, lambda: jnp.zeros_like(params.top_k))
     return jnp.where(truncating, cut, free)
 
@@ -154,13 +157,35 @@ def exact_keep(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arr
     return keys >= jnp.maximum(k_cut, p_cut)[:, None]
 
 
-def _beyond_candidates(scaled: jax.Array, params: SamplingBatch, keys: jax.Array) -> jax.Array:
+def _beyond_candidates(
+    scaled: jax.Array, params: SamplingBatch, keys: jax.Array, beyond: jax.Array
+) -> jax.Array:
     """Tokens [S] drawn exactly from the whole vocabulary's top-k/top-p set
-    (Gumbel-max over the kept tokens): the rare rows the candidates cannot
-    serve."""
-    keep = exact_keep(scaled, params.top_k, params.top_p)  # [S, V]
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (scaled.shape[0],)))(keys)
-    return jnp.argmax(jnp.where(keep, scaled.T + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+    (Gumbel-max over the kept tokens) for the rows in ``beyond``, the rare
+    ones the candidates cannot serve: gathered ``BEYOND_ROWS`` at a time, so
+    the cost follows how many need it, not the batch."""
+    rows_total = beyond.shape[0]
+    group = min(rows_total, BEYOND_ROWS)
+    # The rows that need it first, then padding past the end (dropped on scatter).
+    order = jnp.concatenate(
+        [
+            jnp.nonzero(beyond, size=rows_total, fill_value=rows_total)[0],
+            jnp.full(group, rows_total, jnp.int32),
+        ]
+    ).astype(jnp.int32)
+    x = scaled.T  # [S, V]
+
+    def one_group(i: jax.Array, out: jax.Array) -> jax.Array:
+        rows = jax.lax.dynamic_slice(order, (i * group,), (group,))
+        safe = jnp.minimum(rows, rows_total - 1)
+        sub = x[safe]  # [G, V]
+        keep = exact_keep(sub.T, params.top_k[safe], params.top_p[safe])
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (sub.shape[1],)))(keys[safe])
+        drawn = jnp.argmax(jnp.where(keep, sub + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+        return out.at[rows].set(drawn, mode="drop")
+
+    groups = (jnp.sum(beyond) + group - 1) // group
+    return jax.lax.fori_loop(0, groups, one_group, jnp.zeros(rows_total, jnp.int32))
 
 
 def _order_keys(x: jax.Array) -> jax.Array:

@@ -213,46 +213,70 @@ class Admin:
     # -- changing ------------------------------------------------------------------
 
     async def change(
-        self, op: str, detail: dict[str, Any], apply: Callable[[], Callable[[], None]]
+        self,
+        op: str,
+        detail: dict[str, Any],
+        apply: Callable[[], Callable[[], None]],
+        publish: Callable[[], None] | None = None,
     ) -> dict[str, Any]:
         """Apply a change at a step boundary, persist it, audit it; the reply
         comes once the state file holds it.
 
         ``apply`` validates and applies (raising ValueError to refuse, with
-        nothing changed) and returns the function that undoes it. Only the
-        apply and a snapshot of the state run on the engine task; the file is
-        written (and fsynced) in a worker thread, so neither HTTP nor the
-        engine waits for the disk. Changes are serialised, so the file
-        always ends with the last one, and a write that fails undoes its own
-        change before the next starts."""
+        nothing changed) and returns the function that undoes it; what must
+        not be seen before the change is durable (a new tenant's key) goes in
+        ``publish``, run after the write. Only the apply and a snapshot of the
+        state run on the engine task; the file is written (and fsynced) in a
+        worker thread, so neither HTTP nor the engine waits for the disk.
+        Changes are serialised, so the file always ends with the last one; a
+        write that fails undoes its own change before the next starts. The
+        whole is shielded: a client that hangs up cannot leave a change
+        applied but not saved."""
         async with self._changing:
-            audit = self.live.audit
-            undo: list[Callable[[], None]] = []
-
-            def run() -> bytes:
-                undo.append(apply())
-                entry = AuditEntry(datetime.now(UTC).isoformat(timespec="seconds"), op, detail)
-                self.live.audit = [*audit, entry][-AUDIT_KEPT:]
-                return self.store.encode(self.live)
-
-            try:
-                body = await self.runtime.call(run)
-            except (ValueError, ConfigError) as exc:
-                raise AdminError(409, str(exc)) from None
-            try:
-                await trio.to_thread.run_sync(self.store.write, body)
-            except OSError as exc:
-
-                def revert() -> None:
-                    undo[0]()
-                    self.live.audit = audit
-
-                await self.runtime.call(revert)
-                raise AdminError(
-                    500, f"the change was undone: the state file could not be written: {exc}"
-                ) from None
+            with trio.CancelScope(shield=True):
+                await self._change(op, detail, apply)
+        if publish is not None:
+            publish()
         log.info("admin.audit", op=op, **detail)
         return {"ok": True, "op": op}
+
+    async def _change(
+        self, op: str, detail: dict[str, Any], apply: Callable[[], Callable[[], None]]
+    ) -> None:
+        undo: list[Callable[[], None]] = []
+        audit: list[list[AuditEntry]] = []
+
+        def run() -> bytes:
+            undo.append(apply())
+            audit.append(self.live.audit)
+            entry = AuditEntry(datetime.now(UTC).isoformat(timespec="seconds"), op, detail)
+            self.live.audit = [*audit[0], entry][-AUDIT_KEPT:]
+            return self.store.encode(self.live)
+
+        try:
+            body = await self.runtime.call(run)
+        except (ValueError, ConfigError) as exc:
+            raise AdminError(409, str(exc)) from None
+        try:
+            await trio.to_thread.run_sync(self.store.write, body)
+        except OSError as exc:
+
+            def revert() -> None:
+                undo[0]()
+                self.live.audit = audit[0]
+
+            try:
+                await self.runtime.call(revert)
+            except Exception as undo_failed:  # noqa: BLE001  # reported, with both causes
+                log.error("admin.undo_failed", op=op, error=str(undo_failed))
+                raise AdminError(
+                    500,
+                    f"the state file could not be written ({exc}), and undoing the change "
+                    f"failed ({undo_failed}): it is live but not saved; a restart loses it",
+                ) from None
+            raise AdminError(
+                500, f"the change was undone: the state file could not be written: {exc}"
+            ) from None
 
     def _entry(self, name: str) -> tuple[int, TenantEntry]:
         for i, entry in enumerate(self.live.tenants):
@@ -287,16 +311,17 @@ class Admin:
             scheduler.set_tenant(self._tenant_config(entry))
             old_tenants = self.live.tenants
             self.live.tenants = tenants
-            self.server.keys[entry.api_key_sha256] = _access(self.config, entry)
 
-            def undo() -> None:
+            def undo() -> None:  # no request can have come: the key is not out yet
                 self.live.tenants = old_tenants
-                self.server.keys.pop(entry.api_key_sha256, None)
                 scheduler.remove_tenant(entry.name)
 
             return undo
 
-        return await self.change("tenant.add", _redacted(entry), apply)
+        def publish() -> None:
+            self.server.keys[entry.api_key_sha256] = _access(self.config, entry)
+
+        return await self.change("tenant.add", _redacted(entry), apply, publish)
 
     async def tenant_set(self, name: str, patch: TenantPatch) -> dict[str, Any]:
         changes = {k: v for k, v in msgspec.structs.asdict(patch).items() if v is not UNSET}

@@ -111,26 +111,56 @@ def _host_available() -> int:
 
 
 def _cgroup_room() -> int:
-    """Memory left under this service's cgroup limit (systemd's MemoryMax=):
-    cgroup v2, then v1; unlimited if neither says."""
-    for limit_path, usage_path in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        (
-            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-        ),
-    ):
-        try:
-            with open(limit_path) as f:
-                limit = f.read().strip()
-            with open(usage_path) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
+    """Memory left under this process's cgroup limits (systemd's MemoryMax=),
+    the tightest of its cgroup and their ancestors, v2 or v1; page cache
+    that could be dropped (inactive files) does not count as used."""
+    room = 1 << 62  # no limit found
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return room
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            root, limit_file, usage_file = "/sys/fs/cgroup", "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own
+            root = "/sys/fs/cgroup/memory"
+            limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
             continue
-        if limit.isdigit():
-            return max(0, int(limit) - usage)
-        return 1 << 62  # "max": no limit
-    return 1 << 62
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            directory = os.path.join(root, *parts[:depth])
+            limit = _read_int(os.path.join(directory, limit_file))
+            usage = _read_int(os.path.join(directory, usage_file))
+            if limit is None or usage is None:
+                continue
+            usage -= _inactive_file(os.path.join(directory, "memory.stat"))
+            room = min(room, max(0, limit - usage))
+    return room
+
+
+def _read_int(path: str) -> int | None:
+    """An integer file of the cgroup tree; None if absent or "max"."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _inactive_file(stat_path: str) -> int:
+    try:
+        with open(stat_path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file"):
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:

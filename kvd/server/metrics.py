@@ -16,6 +16,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvd.server.runtime import Runtime
 
@@ -146,7 +147,7 @@ class TenantHistogram(Collector):
 
     def collect(self) -> Iterator[Any]:
         family = HistogramMetricFamily(self.name, self.text, labels=["tenant"])
-        labels = [*(f"{b:g}" for b in self.bounds), "+Inf"]
+        labels = [*(floatToGoString(b) for b in self.bounds), "+Inf"]
         for tenant, counts in list(self._counts.items()):
             cumulative = np.cumsum(counts).tolist()
             family.add_metric(
@@ -163,12 +164,12 @@ class Metrics:
         self.registry.register(SchedulerCollector(runtime))
         self.ttft = TenantHistogram(
             "kvd_time_to_first_token_seconds",
-            "Arrival to the first token handed to the client's connection",
+            "Arrival to the first token, when the engine hands it to the request's stream",
             LATENCY_BUCKETS,
         )
         self.itl = TenantHistogram(
             "kvd_inter_token_latency_seconds",
-            "Time between tokens handed to a client's connection",
+            "Time between a request's tokens, as the engine hands them to its stream",
             LATENCY_BUCKETS,
         )
         self.registry.register(self.ttft)

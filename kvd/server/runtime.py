@@ -160,8 +160,16 @@ class Runtime:
         """Run ``fn`` on the event loop's thread soon; callable from any
         thread, a garbage collector's ``__del__`` included. Dropped once the
         loop has ended (nothing is left to clean up then)."""
+
+        def guarded() -> None:
+            # An exception in a callback would end the event loop: log it instead.
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001
+                log.error("runtime.callback_failed", error=repr(exc))
+
         with contextlib.suppress(trio.RunFinishedError):
-            self._trio_token.run_sync_soon(fn)
+            self._trio_token.run_sync_soon(guarded)
 
     async def wait_idle(self) -> None:
         """Until no request is in flight."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvd.engine.sampling import CANDIDATES, SamplingBatch, exact_keep, sample
+from kvd.engine.sampling import BEYOND_ROWS, CANDIDATES, SamplingBatch, exact_keep, sample
 
 VOCAB = 1024
 
@@ -87,16 +87,23 @@ def test_sampled_tokens_stay_in_the_exact_set(kind: str, top_k: int, top_p: floa
 
 
 def test_a_batch_mixes_exact_paths_per_row() -> None:
-    """One row needs the whole-vocabulary cut, the others not: each row's
+    """Rows that need the whole-vocabulary cut (more than one group of them),
+    rows cut among the candidates, free draws and a greedy row: each row's
     token is what it gets alone (the path a row takes is its own)."""
     rng = np.random.default_rng(3)
-    rows = [logits_for("peaked", rng), logits_for("flat", rng), logits_for("peaked", rng)]
+    kinds = ["flat"] * (BEYOND_ROWS + 2) + ["peaked", "peaked", "peaked"]
+    rows = [logits_for(kind, rng) for kind in kinds]
     logits = jnp.asarray(np.stack(rows, axis=1).astype(np.float32))
-    top_k = jnp.asarray([5, 0, 0], jnp.int32)
-    top_p = jnp.asarray([1.0, 0.9, 1.0], jnp.float32)
-    batch = _batch(3, 0, 1.0, seed=5)._replace(top_k=top_k, top_p=top_p)
+    n = len(rows)
+    top_k = jnp.asarray([0] * (BEYOND_ROWS + 2) + [5, 0, 0], jnp.int32)
+    top_p = jnp.asarray([0.9] * (BEYOND_ROWS + 2) + [1.0, 1.0, 1.0], jnp.float32)
+    temperature = jnp.asarray([1.0] * (n - 1) + [0.0], jnp.float32)
+    batch = _batch(n, 0, 1.0, seed=5)._replace(top_k=top_k, top_p=top_p, temperature=temperature)
     together, _, _ = jax.jit(sample)(logits, batch)
-    for i in range(3):
+    for i in range(n):
         alone_batch = SamplingBatch(*(field[i : i + 1] for field in batch))
         alone, _, _ = jax.jit(sample)(logits[:, i : i + 1], alone_batch)
-        assert int(alone[0]) == int(together[i])
+        assert int(alone[0]) == int(together[i]), i
+        if i < BEYOND_ROWS + 2:
+            assert int(alone[0]) in oracle_keep(rows[i].astype(np.float32), 0, 0.9)
+    assert int(together[-1]) == int(np.argmax(rows[-1]))  # greedy

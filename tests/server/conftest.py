@@ -39,7 +39,7 @@ tiers = ["interactive", "batch"]
 listen = "127.0.0.1:0"
 metrics_listen = "127.0.0.1:0"
 admin_socket = "{{admin_socket}}"
-state_file = "state.json"
+state_file = "{{state_file}}"
 drain_timeout = {{drain_timeout}}
 max_in_flight = {{max_in_flight}}
 hard_deadline = 1.5
@@ -233,6 +233,7 @@ def write_config(path: Path, **values: Any) -> Path:
         "max_in_flight": 4096,
         "tensor_parallel": 1,
         "admin_socket": f"{socket_dir}/admin.sock",
+        "state_file": "state.json",
     } | values
     path.write_text(TINY_CONFIG.format(**settings))
     return path

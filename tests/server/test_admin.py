@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,29 @@ def test_reservation_change_lets_a_refused_request_in(start_daemon: Any) -> None
     removed = kvctl(daemon, "tenant", "remove", "dave")
     assert removed.returncode == 0, removed.stderr
     assert complete(daemon, DAVE, "gone").status_code == 401
+
+
+def test_a_change_the_state_file_cannot_hold_is_undone(start_daemon: Any, tmp_path: Path) -> None:
+    """The write runs after the change is applied: when it fails, the change
+    is undone (a new tenant's key was never published), and the next change
+    after the disk recovers is saved."""
+    daemon: DaemonProcess = start_daemon(state_file="statedir/state.json")
+    assert kvctl(daemon, "tenant", "set", "bob", "--weight", "2").returncode == 0
+    state_dir = tmp_path / "statedir"
+    shutil.rmtree(state_dir)
+    state_dir.write_text("a file where the state directory was")  # every write now fails
+    added = kvctl(daemon, "tenant", "add", "dave", "--key", DAVE)
+    assert added.returncode == 1 and "the change was undone" in added.stderr, added.stderr
+    assert complete(daemon, DAVE, "let me in").status_code == 401
+    changed = kvctl(daemon, "tenant", "set", "bob", "--weight", "3")
+    assert changed.returncode == 1 and "undone" in changed.stderr
+    tenants = {t["name"]: t for t in status(daemon)["tenants"]}
+    assert "dave" not in tenants and tenants["bob"]["weight"] == 2
+    state_dir.unlink()
+    assert kvctl(daemon, "tenant", "add", "dave", "--key", DAVE).returncode == 0
+    assert complete(daemon, DAVE, "let me in").status_code == 200
+    saved = json.loads((state_dir / "state.json").read_text())
+    assert [e["op"] for e in saved["state"]["audit"]][-1] == "tenant.add"
 
 
 def test_isolated_policy_stops_public_prefix_hits(start_daemon: Any, tmp_path: Path) -> None:
