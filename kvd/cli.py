@@ -238,6 +238,18 @@ def bench_decode(
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("sampling")
+@click.option("--batch", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--vocabulary", type=click.IntRange(min=512), default=262144, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_sampling(batch: int, vocabulary: int, as_json: bool) -> None:
+    """Cost of one sampling call by path (greedy, temperature, top-k/top-p)."""
+    from kvd.bench.sampling import render, run_sampling_bench
+
+    report = run_sampling_bench(batch, vocabulary)
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 @bench.command("prefill")
 @click.option(
     "--lengths", default="128,512,600,2048,4000", show_default=True, help="Prompt lengths."

@@ -140,3 +140,12 @@ def test_bench_kv_prints_figures() -> None:
     assert report["hash_tokens_per_s"] > 0
     bad = run("kvd", "bench", "kv", "--running", "a,b")
     assert bad.returncode == 2 and bad.stderr.startswith("kvd: error:")
+
+
+def test_bench_sampling_prints_figures() -> None:
+    out = run("kvd", "bench", "sampling", "--batch", "2", "--vocabulary", "1024", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert len(report["cases"]) == 7 and all(c["ms"] > 0 for c in report["cases"])
+    temperature = next(c for c in report["cases"] if c["name"] == "temperature alone")
+    assert temperature["ratio_to_temperature"] == 1.0

@@ -1,0 +1,108 @@
+"""What one sampling call costs at a real vocabulary, by path: greedy,
+temperature alone (Gumbel-max over the vocabulary), top-k/top-p cut among the
+candidates, and cut over the whole vocabulary by bisection (all rows, or one
+row of the batch). Times are the best of a few calls, after compiling."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+
+class SamplingCase(msgspec.Struct, frozen=True):
+    name: str
+    ms: float
+    ratio_to_temperature: float  # against temperature alone, measured in the same run
+
+
+class SamplingReport(msgspec.Struct, frozen=True):
+    batch: int
+    vocabulary: int
+    cases: list[SamplingCase]
+
+
+def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 5) -> SamplingReport:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvd.engine.sampling import SamplingBatch, sample
+
+    rng = np.random.default_rng(0)
+    # Peaked: a few tokens hold the mass (a nucleus among the candidates).
+    peaked = rng.normal(0, 1, (vocabulary, batch)).astype(np.float32)
+    peaked[rng.integers(0, vocabulary, 8)] += 15
+    # Flat: the best 256 tokens hold a small share (a nucleus beyond them).
+    flat = rng.normal(0, 0.3, (vocabulary, batch)).astype(np.float32)
+
+    def params(temperature: float, top_k: list[int], top_p: list[float]) -> SamplingBatch:
+        return SamplingBatch(
+            temperature=jnp.full(batch, temperature, jnp.float32),
+            top_k=jnp.asarray(top_k, jnp.int32),
+            top_p=jnp.asarray(top_p, jnp.float32),
+            seeds=jnp.arange(batch, dtype=jnp.uint32),
+            positions=jnp.zeros(batch, jnp.int32),
+            stop_ids=jnp.full((batch, 8), -1, jnp.int32),
+            want_logprobs=jnp.zeros(batch, bool),
+        )
+
+    one_flat = peaked.copy()
+    one_flat[:, 0] = flat[:, 0]
+    rest = batch - 1
+    cases: dict[str, tuple[np.ndarray, SamplingBatch]] = {
+        "greedy": (peaked, params(0.0, [0] * batch, [1.0] * batch)),
+        "temperature alone": (peaked, params(1.0, [0] * batch, [1.0] * batch)),
+        "top_k 40 (among the candidates)": (peaked, params(1.0, [40] * batch, [1.0] * batch)),
+        "top_p 0.9, peaked (among the candidates)": (
+            peaked,
+            params(1.0, [0] * batch, [0.9] * batch),
+        ),
+        "top_p 0.9, flat (whole vocabulary, every row)": (
+            flat,
+            params(1.0, [0] * batch, [0.9] * batch),
+        ),
+        "top_k 1000 (whole vocabulary, every row)": (
+            peaked,
+            params(1.0, [1000] * batch, [1.0] * batch),
+        ),
+        "one flat top_p 0.9 row, the rest top_k 40": (
+            one_flat,
+            params(1.0, [0] + [40] * rest, [0.9] + [1.0] * rest),
+        ),
+    }
+    step = jax.jit(sample)
+    timed: dict[str, float] = {}
+    for name, (logits, batch_params) in cases.items():
+        x = jnp.asarray(logits)
+        jax.block_until_ready(step(x, batch_params))
+        timed[name] = _best(step, x, batch_params, repeats)
+    base = timed["temperature alone"]
+    return SamplingReport(
+        batch,
+        vocabulary,
+        [SamplingCase(n, round(1000 * t, 1), round(t / base, 2)) for n, t in timed.items()],
+    )
+
+
+def _best(step: Callable[..., Any], logits: Any, params: Any, repeats: int) -> float:
+    import jax
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(logits, params))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def render(report: SamplingReport) -> str:
+    width = max(len(c.name) for c in report.cases)
+    lines = [f"sampling: batch {report.batch}, vocabulary {report.vocabulary:,}"]
+    lines += [
+        f"  {c.name:<{width}}  {c.ms:8.1f} ms  {c.ratio_to_temperature:5.2f}x temperature alone"
+        for c in report.cases
+    ]
+    return "\n".join(lines)
