@@ -94,6 +94,45 @@ def test_reservation_change_lets_a_refused_request_in(start_daemon: Any) -> None
     assert complete(daemon, DAVE, "gone").status_code == 401
 
 
+def test_a_chat_system_prefix_is_shared_by_chat_requests(
+    tiny_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """Registered as chat requests render it, a system prompt is a public
+    prefix that chat requests of every tenant hit (the developer role too)."""
+    system = "You are the support assistant of a small bakery in Lyon. " * 6
+    (tmp_path / "system.txt").write_text(system.strip() + "\n")
+    added = kvctl(
+        tiny_daemon, "prefix", "add", "bakery", "--chat-system-file", str(tmp_path / "system.txt")
+    )
+    assert added.returncode == 0, added.stderr
+    listed = json.loads(kvctl(tiny_daemon, "prefix", "list", "--json").stdout)
+    tokens = next(p["tokens"] for p in listed if p["name"] == "bakery")
+
+    def chat(key: str, role: str, question: str) -> int:
+        response = httpx.post(
+            f"{tiny_daemon.url}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "max_tokens": 2,
+                "messages": [
+                    {"role": role, "content": system.strip()},
+                    {"role": "user", "content": question},
+                ],
+            },
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert chat(ALICE, "system", "When do you open on Sundays?") == 0  # computes it
+    shared = chat(BOB, "developer", "Do you sell rye bread?")
+    # Every full block of the prefix, less at most the one a merge at the
+    # boundary with the question's text can change.
+    assert 16 * (tokens // 16 - 1) <= shared <= 16 * (tokens // 16), (shared, tokens)
+    assert kvctl(tiny_daemon, "prefix", "remove", "bakery").returncode == 0
+
+
 def test_a_change_the_state_file_cannot_hold_is_undone(start_daemon: Any, tmp_path: Path) -> None:
     """The write runs after the change is applied: when it fails, the change
     is undone (a new tenant's key was never published), and the next change
