@@ -258,7 +258,7 @@ class Admin:
         except (ValueError, ConfigError) as exc:
             raise AdminError(409, str(exc)) from None
         try:
-            await trio.to_thread.run_sync(self.store.write, body)
+            await self._write(body)
         except OSError as exc:
 
             def revert() -> None:
@@ -277,6 +277,11 @@ class Admin:
             raise AdminError(
                 500, f"the change was undone: the state file could not be written: {exc}"
             ) from None
+
+    async def _write(self, body: bytes) -> None:
+        """The state file's bytes to disk in a worker thread (fsyncs must not
+        pause the event loop)."""
+        await trio.to_thread.run_sync(self.store.write, body)
 
     def _entry(self, name: str) -> tuple[int, TenantEntry]:
         for i, entry in enumerate(self.live.tenants):
@@ -496,7 +501,7 @@ class Admin:
             entry = AuditEntry(datetime.now(UTC).isoformat(timespec="seconds"), op, {})
             self.live.audit = [*self.live.audit, entry][-AUDIT_KEPT:]
             try:
-                await trio.to_thread.run_sync(self.store.write, self.store.encode(self.live))
+                await self._write(self.store.encode(self.live))
             except OSError as exc:
                 log.error("admin.state_write_failed", error=str(exc))
 

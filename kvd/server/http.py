@@ -373,8 +373,7 @@ class Relay:
         self.logprobs.extend(e.logprob for e in events)
         if finish is not None:
             self.finish_reason = finish
-            if finish != "stop" or not self.text.stopped:
-                delta += self.text.flush()
+            delta += self.text.flush()  # nothing after a stop string
         return delta, len(events), finish
 
     # -- bodies ----------------------------------------------------------------------
