@@ -89,7 +89,7 @@ def main() -> None:
         )
         assert engine.pool.unsafe_buffer_pointer() == pool_buffer, "the pool was copied"
     print(f"pool donated in place: yes; programs compiled after warm-up: {engine.late_compiles}")
-    engine.kv.check_invariants()
+    scheduler.kv.check_invariants()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ def run_decode_bench(
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model
     from kvd.engine.sampling import SamplingParams
+    from kvd.sched.batch import BatchGenerator
 
     say("measuring the GEMM roofline")
     roofline = gemm_roofline()
@@ -88,13 +89,14 @@ def run_decode_bench(
     engine = Engine(model, config)
     say("compiling")
     warm = engine.warm_up()
+    generator = BatchGenerator(engine)
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     ours: list[DecodeFigures] = []
     for batch in batches:
         prompts = _prompts(batch, prompt_len, cfg.vocab_size, seed=batch)
-        engine.kv.flush_cache()
+        generator.kv.flush_cache()
         start = time.perf_counter()
-        results = engine.generate(prompts, [greedy] * batch)
+        results = generator.generate(prompts, [greedy] * batch)
         total = time.perf_counter() - start
         ttft = max(r.first_token_s or 0.0 for r in results)
         produced = sum(len(r.completion_ids) - 1 for r in results)

@@ -313,7 +313,7 @@ def run_inprocess(
     """Output tokens/s of the scheduler alone on the HTTP run's workload:
     ``clients`` requests kept in flight for ``duration``, then drained."""
     from kvd.server.config import Config, ModelSection, PoolSection, TenantEntry
-    from kvd.server.daemon import load
+    from kvd.server.loading import load
 
     config = Config(
         model=ModelSection(

@@ -106,6 +106,7 @@ def run_prefill_bench(
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model
     from kvd.engine.sampling import SamplingParams
     from kvd.kv.layout import build_layout
+    from kvd.sched.batch import BatchGenerator
 
     say("measuring the GEMM roofline")
     roofline = gemm_roofline()
@@ -129,20 +130,21 @@ def run_prefill_bench(
     engine = Engine(model, config)
     say("compiling")
     warm = engine.warm_up(lambda done, total, what: say(f"  [{done}/{total}] {what}"))
+    generator = BatchGenerator(engine)
     idle = _rss_bytes()
     one = SamplingParams(temperature=0.0, max_tokens=1)
     ours: list[PrefillFigures] = []
     for length in lengths:
         prompt = _prompt(length, vocab, seed=length)
-        engine.kv.flush_cache()
+        generator.kv.flush_cache()
         with peak_rss() as peak:
             start = time.perf_counter()
-            engine.generate([prompt], [one])
+            generator.generate([prompt], [one])
             seconds = time.perf_counter() - start
         ours.append(PrefillFigures("kvd", length, seconds, length / seconds, peak[0] / GIB))
         say(f"kvd prefill {length}: {length / seconds:.1f} tok/s, peak RSS {peak[0] / GIB:.2f} GiB")
     late = engine.late_compiles
-    del engine
+    del engine, generator
     # Decode gets an engine of its own, whose pool holds every prompt of the
     # largest batch at the longest context: the prompts are prefilled once and
     # cached, so that in the timed run all of a batch decodes together (with a
@@ -154,20 +156,21 @@ def run_prefill_bench(
     )
     say("compiling the decode engine")
     engine.warm_up()
+    generator = BatchGenerator(engine)
     decode: list[LongDecodeFigures] = []
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     for batch in decode_batches:
         for context in decode_contexts:
             prompts = [_prompt(context, vocab, seed=context * 100 + i) for i in range(batch)]
-            engine.kv.flush_cache()
-            engine.generate(prompts, [one] * batch)  # now in the prefix cache
+            generator.kv.flush_cache()
+            generator.generate(prompts, [one] * batch)  # now in the prefix cache
             tokens, seconds = engine.decode_tokens, engine.decode_seconds
-            engine.generate(prompts, [greedy] * batch)
+            generator.generate(prompts, [greedy] * batch)
             rate = (engine.decode_tokens - tokens) / (engine.decode_seconds - seconds)
             decode.append(LongDecodeFigures(batch, context, rate))
             say(f"kvd decode batch {batch} at context {context}: {rate:.1f} tok/s")
     late += engine.late_compiles
-    del engine
+    del engine, generator
     theirs: list[PrefillFigures] = []
     note = None
     if baseline:

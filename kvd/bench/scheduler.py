@@ -108,7 +108,7 @@ def run_scheduler_bench(
     say(f"measuring recompute and swap rates on {EMBEDDED_MODEL}")
     engine = Engine(load_model(EMBEDDED_MODEL), EngineConfig(max_model_len=2048, pool_tokens=16384))
     engine.warm_up()
-    rates = measure_rates(engine)
+    rates = measure_rates(engine)  # on a scratch KV manager of its own
     crossover = rates.crossover_tokens()
     note = None
     if crossover is None:

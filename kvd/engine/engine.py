@@ -1,10 +1,10 @@
 """The engine: a loaded model, the KV pool and the compiled step, ready to run.
 
-``Engine.step`` runs one ragged step for sequences the caller has allocated
+``Engine.run`` runs one ragged step for sequences the caller has allocated
 pages for, and returns sampled tokens (the only device-to-host transfer of a
-step). ``Engine.generate`` is a small continuous-batching loop for one-shot use
-(``kvd generate``, tests, benchmarks); the multi-tenant scheduler drives
-``step`` itself.
+step). The engine is the scheduler's executor (kvd/sched/executor.py): it owns
+the device pool and the compiled programs, not the KV bookkeeping; the block
+tables it reads are those of the KV manager it is bound to.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import ctypes
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -47,12 +46,12 @@ from kvd.engine.model import (
     head_vocab_major,
     prepare_params,
 )
-from kvd.engine.sampling import SamplingBatch, SamplingParams, sample
+from kvd.engine.sampling import SamplingBatch, sample
 from kvd.kv.columns import BLOCKS, COMPUTED, LAST_TOKEN, LENGTH, SERIAL, TABLE_VERSION
 from kvd.kv.layout import build_layout
-from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
+from kvd.sched.executor import ExecutorLimits
 
 Progress = Callable[[int, int, str], None]
 
@@ -118,16 +117,6 @@ def head_and_sample(
     return sample(head_vocab_major(spec, params, rows[:seqs]), sampling)
 
 
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    cached_tokens: int = 0
-    first_token_s: float | None = None
-
-
 def enable_compilation_cache() -> None:
     """Keep compiled programs on disk, so a restart does not compile again."""
     from kvd.engine.loader import cache_dir
@@ -160,8 +149,6 @@ def _place_in_place(tree: Any) -> Any:
 
 
 class Engine:
-    TENANT = "local"
-
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
         enable_compilation_cache()
         self.model = model
@@ -172,9 +159,9 @@ class Engine:
             )
         kv_dtype = cfg.kv_dtype or cfg.dtype
         self.layout = build_layout(model.config.kv_geometry(kv_dtype), cfg.block_size)
-        pages = cfg.pool_tokens // cfg.block_size * self.layout.num_groups + 1
-        self.kv = KVManager(self.layout, pages, mode=BudgetMode.FREE)
-        self.kv.set_tenant(self.TENANT, TenantBudget())
+        # One more than the blocks: page 0 is the null page padding points at.
+        self.num_pages = pages = cfg.pool_tokens // cfg.block_size * self.layout.num_groups + 1
+        self.vocab_size = model.config.vocab_size
         max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
         # Sliding groups' tables are rings over what one step can see; none
         # when that is the whole context anyway.
@@ -276,12 +263,35 @@ class Engine:
         self.decode_tokens = 0
         self.decode_seconds = 0.0
         self._warm = False
+        self._max_blocks = max_blocks
         self._rows = SequenceRows(self.layout.num_groups, max_blocks, self.rings)
-        self._table_edits = self.kv.log_table_edits()
+        self._table_edits: list[tuple[int, int, int, int]] = []
+        self.kv: KVManager | None = None  # whose tables the steps read (``bind``)
         tokenizer = model.tokenizer
         # EOS and end-of-turn end every generation (no tokenizer: a bare model in tests).
         self.stop_ids = tokenizer.stop_ids() if tokenizer is not None else frozenset()
-        self._next_id = 0
+        self.limits = ExecutorLimits(
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            vocab_size=self.vocab_size,
+            token_buckets=self.token_buckets,
+        )
+
+    def bind(self, kv: KVManager) -> None:
+        """Read block tables from ``kv`` from now on. The per-sequence rows
+        cached for the device start over: they were keyed by another manager's
+        sequences."""
+        if kv.layout != self.layout or kv.pool.num_pages != self.num_pages:
+            raise EngineError("the KV manager's layout or pool size is not this engine's")
+        self.kv = kv
+        self._rows = SequenceRows(self.layout.num_groups, self._max_blocks, self.rings)
+        self._table_edits = kv.log_table_edits()
+        self._table_edits.clear()
+
+    def barrier(self) -> None:
+        """Wait for every dispatched program (a copy-in returns before it lands)."""
+        self.pool.block_until_ready()
 
     # -- shapes ----------------------------------------------------------------------
 
@@ -415,26 +425,18 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------
 
-    def step(
-        self, work: list[tuple[Sequence, int, SamplingParams]]
-    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """Compute the scheduled tokens (pages already allocated), commit them to
-        the KV manager, and return sampled (tokens, logprobs, stopped) per entry."""
-        return self.run(
-            [seq for seq, _, _ in work], [n for _, n, _ in work], [p for _, _, p in work]
-        )
-
     def run(
         self,
         seqs: list[Sequence],
         counts: list[int],
         params: ParamsLookup,
-        slots: np.ndarray[Any, Any] | None = None,
-        block: np.ndarray[Any, Any] | None = None,
+        slots: np.ndarray[Any, Any],
+        block: np.ndarray[Any, Any],
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """``step`` with the work as parallel sequences (the scheduler's form);
-        ``slots``: the sequences' ``kv.slots_of`` and ``block`` their columns
-        (``kv.columns.matrix[:, slots]``), if the caller has them.
+        """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated)
+        and return sampled (tokens, logprobs, stopped) per sequence; ``slots``:
+        the sequences' ``kv.slots_of``, ``block`` their columns before the step
+        (``kv.columns.matrix[:, slots]``). The caller commits the tokens.
 
         A sequence's sampling parameters are read when it first runs (only
         those entries of ``params`` are looked at) and kept for its life.
@@ -443,10 +445,8 @@ class Engine:
         count = len(seqs)
         if count > self.config.max_num_seqs:
             raise EngineError(f"{count} sequences exceed max_num_seqs {self.config.max_num_seqs}")
-        if slots is None:
-            slots = self.kv.slots_of(seqs)
-        if block is None:
-            block = self.kv.columns.matrix[:, slots]
+        if self.kv is None:
+            raise EngineError("bind a KV manager before running a step")
         starts = block[COMPUTED]
         total = sum(counts)
         decodes = total == count and bool((block[LENGTH] == starts + 1).all())
@@ -486,92 +486,6 @@ class Engine:
         sampled, logprobs, stopped = np.asarray(sampled), np.asarray(logprobs), np.asarray(stopped)
         self.device_seconds += time.perf_counter() - started
         if decodes:
-            self.kv.commit_decodes(seqs, slots, block)
-        else:
-            self.kv.commit_batch(seqs, counts, slots)
-        if decodes:
             self.decode_tokens += count
             self.decode_seconds += time.perf_counter() - entered
         return sampled[:count], logprobs[:count], stopped[:count]
-
-    # -- one-shot generation ---------------------------------------------------------
-
-    def validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        limit = self.config.max_model_len
-        if not prompt:
-            raise EngineError("the prompt is empty")
-        if len(prompt) >= limit:
-            raise EngineError(
-                f"the prompt has {len(prompt)} tokens; the context is {limit} tokens "
-                "(at least one must be left to generate)"
-            )
-        if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
-            raise EngineError("the prompt holds token ids outside the vocabulary")
-
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generation]:
-        """Run every prompt to completion with continuous batching and chunked prefill."""
-        for prompt, p in zip(prompts, params, strict=True):
-            self.validate_prompt(prompt, p)
-        start = time.perf_counter()
-        results = [Generation(list(prompt)) for prompt in prompts]
-        pending = list(range(len(prompts)))
-        live: dict[int, tuple[Sequence, SamplingParams]] = {}
-        while pending or live:
-            work: list[tuple[Sequence, int, SamplingParams]] = []
-            owners: list[int] = []
-            budget = self.config.max_num_batched_tokens
-            for index, (seq, p) in live.items():  # decodes (and unfinished prefills) first
-                n = min(len(seq.tokens) - seq.num_computed, budget)
-                if n and len(work) < self.config.max_num_seqs:
-                    self.kv.allocate(seq, n)
-                    work.append((seq, n, p))
-                    owners.append(index)
-                    budget -= n
-            while pending and budget > 0 and len(work) < self.config.max_num_seqs:
-                index = pending[0]
-                seq = self.kv.add_sequence(self._next_id, self.TENANT, prompts[index])
-                hit = self.kv.lookup(seq)
-                n = min(len(seq.tokens) - hit.num_tokens, budget)
-                if not self.kv.can_allocate(seq, n, hit):
-                    self.kv.finish(seq)
-                    if not work:
-                        raise EngineError("the KV pool is too small for this prompt")
-                    break
-                self._next_id += 1
-                self.kv.allocate(seq, n, hit)
-                results[index].cached_tokens = hit.num_tokens
-                pending.pop(0)
-                live[index] = (seq, params[index])
-                work.append((seq, n, params[index]))
-                owners.append(index)
-                budget -= n
-            tokens, logprobs, stopped = self.step(work)
-            for row, index in enumerate(owners):
-                seq, p = live[index]
-                if seq.num_computed < len(seq.tokens):
-                    continue  # a prefill chunk: nothing sampled yet
-                result = results[index]
-                if result.first_token_s is None:
-                    result.first_token_s = time.perf_counter() - start
-                token = int(tokens[row])
-                result.completion_ids.append(token)
-                result.logprobs.append(float(logprobs[row]))
-                reason = self._finish_reason(result, p, bool(stopped[row]), token, seq)
-                if reason is None:
-                    self.kv.append_tokens(seq, [token])
-                else:
-                    result.finish_reason = reason
-                    self.kv.finish(seq)
-                    del live[index]
-        return results
-
-    def _finish_reason(
-        self, result: Generation, p: SamplingParams, stopped: bool, token: int, seq: Sequence
-    ) -> str | None:
-        if stopped or token in self.stop_ids:
-            return "stop"
-        if len(result.completion_ids) >= p.max_tokens:
-            return "length"
-        if len(seq.tokens) + 1 >= self.config.max_model_len:
-            return "length"
-        return None

@@ -11,6 +11,7 @@ from kvd.engine.engine import Engine, EngineConfig, EngineError
 from kvd.engine.loader import ModelLoadError, load_model
 from kvd.engine.sampling import SamplingParams
 from kvd.engine.tokenizer import ChatMessage, TokenizerError
+from kvd.sched.batch import BatchGenerator
 
 
 class GenerateError(Exception):
@@ -87,7 +88,7 @@ def generate_once(
             logprobs=True,
         )
         start = time.perf_counter()
-        (result,) = engine.generate([ids], [params])
+        (result,) = BatchGenerator(engine).generate([ids], [params])
     except (EngineError, ValueError) as exc:
         raise GenerateError(str(exc), exit_code=2) from None
     return GenerateResult(

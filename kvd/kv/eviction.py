@@ -18,9 +18,10 @@ written-down fairness order instead:
    whoever owns them; a waiting sequence displaces nobody and waits.
 
 Granularity: victims are whole sequences. Within the chosen tenant the first
-sequence in eviction order whose pages fit inside its surplus goes first; only
-if every one is larger may reclaiming take the tenant below its reservation
-(it is then under its guarantee and entitled to reclaim in turn). Pages that
+sequence in eviction order whose pages fit inside its surplus goes; a tenant
+whose every sequence is larger than its surplus is not a victim at all, since
+reclaiming is never allowed to push a tenant under its reservation. When no
+victim fits, the requester waits. Pages that
 sequences staying behind (or the requester's own prefix hit) still hold do not
 count as freed. The plan is pure: the scheduler recomputes or swaps the
 victims, then allocates.
@@ -181,21 +182,24 @@ def _reclaim_surplus(sim: _Simulation, requester: Sequence, short: int) -> Evict
         if not surplus:
             return None
         tenant = max(surplus, key=lambda t: (surplus[t], t))
-        seq = _within_surplus(sim, by_tenant[tenant], surplus[tenant])
-        by_tenant[tenant].remove(seq)
-        pages = sim.release(seq)
+        victim = _within_surplus(sim, by_tenant[tenant], surplus[tenant])
+        if victim is None:
+            del by_tenant[tenant]  # taking any of its sequences would break its guarantee
+            continue
+        by_tenant[tenant].remove(victim)
+        pages = sim.release(victim)
         freed += pages
-        victims.append(_victim(seq, pages))
+        victims.append(_victim(victim, pages))
     return EvictionPlan(tuple(victims), "reclaim-surplus")
 
 
-def _within_surplus(sim: _Simulation, seqs: list[Sequence], surplus: int) -> Sequence:
-    """The first sequence in eviction order whose release stays within the surplus
-    (so the tenant keeps its guarantee); if every one is larger, the first."""
+def _within_surplus(sim: _Simulation, seqs: list[Sequence], surplus: int) -> Sequence | None:
+    """The first sequence in eviction order whose release stays within the
+    surplus (so the tenant keeps its guarantee); None if every one is larger."""
     for seq in seqs:
         if sim.preview(seq)[1] <= surplus:
             return seq
-    return seqs[0]
+    return None
 
 
 def _greedy(

@@ -18,6 +18,7 @@ the fewest groups.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import msgspec
@@ -59,15 +60,23 @@ class PageLayout(msgspec.Struct, frozen=True):
         blocks, one page per group each)."""
         return self.num_pages(pool_bytes) // self.num_groups * self.block_size
 
-    def pages_for_tokens(self, tokens: int) -> int:
-        """Most pages one sequence of ``tokens`` tokens holds while decoding."""
+    def pages_for_tokens(self, tokens: int, chunk: int = 1) -> int:
+        """Most pages one sequence of ``tokens`` tokens holds at once, when it
+        is computed ``chunk`` tokens per step (its prefill chunks; decodes are
+        chunks of 1).
+
+        A sliding group slides only after a step, so while a chunk of c tokens
+        is computed from position p it holds every block from the first one
+        position p still sees, ``(p - window + 1) // block``, to the one the
+        chunk ends in: about (window + c) / block pages, not window / block.
+        """
         blocks = -(-tokens // self.block_size)
         total = 0
         for group in self.groups:
             if group.window is None:
                 total += blocks
-            else:  # the blocks a query can see, plus the one being filled
-                total += min(blocks, -(-(group.window - 1) // self.block_size) + 1)
+            else:
+                total += min(blocks, _sliding_peak(group.window, self.block_size, chunk))
         return total
 
     def group_of_layer(self, layer: int) -> tuple[int, int]:
@@ -120,6 +129,18 @@ def _choose_slots(
         if all(s >= counts[k] for k, s in slots.items()):
             return min(candidates, key=lambda c: c[0])[1]
         multiple += 1
+
+
+@functools.lru_cache(maxsize=64)
+def _sliding_peak(window: int, block_size: int, chunk: int) -> int:
+    """Most blocks a sliding group holds while a chunk of ``chunk`` tokens is
+    computed from any position (the pattern repeats every block, so the
+    positions of one block, far enough from the start, cover every case)."""
+    base = (window + chunk) // block_size * block_size + block_size
+    return max(
+        -(-(p + chunk) // block_size) - max(0, p - window + 1) // block_size
+        for p in range(base, base + block_size)
+    )
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -34,10 +34,21 @@ pool; that is what makes the guarantee keepable and is checked on every change.
 from __future__ import annotations
 
 import enum
+import re
 
 import msgspec
 
 SHARED_ACCOUNT = "@shared"
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def tenant_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a tenant (the one check, for config, admin
+    API and ledger alike), or None. Names are safe in logs, metrics labels and
+    paths; the ledger's own accounts ("@shared") cannot collide with them."""
+    if not _TENANT_NAME.fullmatch(name):
+        return f"invalid tenant name {name!r}: 1-64 letters, digits, '_', '.', '-', not first"
+    return None
 
 
 class BudgetMode(enum.StrEnum):
@@ -91,8 +102,9 @@ class Ledger:
         Lowering a reservation or cap below current use is allowed: the excess
         becomes surplus (reclaimable) and the tenant cannot grow until under it.
         """
-        if not name or name.startswith("@"):
-            raise BudgetError(f"invalid tenant name {name!r}")
+        problem = tenant_name_problem(name)
+        if problem is not None:
+            raise BudgetError(problem)
         if budget.reservation < 0:
             raise BudgetError(f"reservation must not be negative, got {budget.reservation}")
         if budget.cap is not None and budget.cap < budget.reservation:

@@ -311,6 +311,11 @@ class KVManager:
                     drop(page, tenant)
         for table in seq.tables:
             table.clear()
+        if seq.kept is not None:
+            for group in seq.kept:
+                for page in group.values():
+                    drop(page, tenant)
+            seq.kept = None
         seq.table_version = next(self._stamps)
 
     # -- prefix lookup ---------------------------------------------------------
@@ -535,7 +540,12 @@ class KVManager:
         if seq.scope is None:
             self._ensure_scope(seq)
         seq.state = KVState.RESIDENT
-        self.prefix_query_tokens += len(seq.tokens)
+        # The hit rate counts each request once, as its own cached_tokens does:
+        # a preempted sequence re-finding its own blocks is not a prefix hit.
+        first = seq.starts == 0
+        seq.starts += 1
+        if first:
+            self.prefix_query_tokens += len(seq.tokens)
         if hit is None or hit.num_blocks == 0:
             seq.cached_tokens = 0
             return
@@ -550,6 +560,8 @@ class KVManager:
         seq.num_computed = seq.num_allocated = seq.cached_tokens = hit.num_tokens
         seq.sliding_start = hit.sliding_start
         seq.registered = hit.num_blocks
+        if not first:
+            return
         self.prefix_hit_tokens += hit.num_tokens
         name = hit.scope.public_prefix
         if name is not None and name in self.public:
@@ -750,8 +762,18 @@ class KVManager:
 
     # -- swapping ----------------------------------------------------------------
 
+    def _shared(self, page: int) -> bool:
+        """Held by someone else too, or public: copying it out frees nothing."""
+        holders = self.pool.holders[page]
+        return self.pool.public[page] is not None or (
+            holders is not None and sum(holders.values()) > 1
+        )
+
     def begin_swap_out(self, seq: Sequence) -> list[PageCopy]:
-        """The pages to copy to host; they stay held until ``finish_swap_out``."""
+        """The pages to copy to host: the sequence's private pages. They stay
+        held until ``finish_swap_out``; shared and public pages are not copied
+        and stay held through the swap, so they stay shared (and charged as
+        they were)."""
         self._own(seq)
         if seq.state is not KVState.RESIDENT:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
@@ -760,17 +782,56 @@ class KVManager:
             PageCopy(g, block, page)
             for g, table in enumerate(seq.tables)
             for block, page in enumerate(table)
-            if page
+            if page and not self._shared(page)
         ]
 
+    def shared_prefix_tokens(self, seq: Sequence) -> int:
+        """Computed tokens at the start of ``seq`` whose pages others also hold
+        (or that are public): a recompute would find them in the prefix cache."""
+        blocks = 0
+        tables = [seq.tables[g] for g in self.global_groups]
+        for block in range(seq.num_computed // self.block_size):
+            if not all(table[block] and self._shared(table[block]) for table in tables):
+                break
+            blocks += 1
+        return blocks * self.block_size
+
+    def swap_out_pages(self, seq: Sequence) -> int:
+        """Pages a swap-out of a resident ``seq`` would copy (and free)."""
+        return sum(1 for page in seq.held_pages() if not self._shared(page))
+
     def finish_swap_out(self, seq: Sequence) -> None:
-        """The copies are on the host: free the pages, remember which blocks they were."""
+        """The copies ``begin_swap_out`` listed are on the host: free those
+        pages, remember which blocks they were; the pages not copied stay held."""
         self._own(seq)
         if seq.state is not KVState.SWAPPING_OUT:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapping out")
-        swapped = [[b for b, page in enumerate(table) if page] for table in seq.tables]
-        self._drop_all(seq)
+        # Decided before registering pending blocks, which can make a page public.
+        copied = {
+            (g, block)
+            for g, table in enumerate(seq.tables)
+            for block, page in enumerate(table)
+            if page and not self._shared(page)
+        }
+        self._register_pending(seq)
+        swapped: list[list[int]] = [[] for _ in seq.tables]
+        kept: list[dict[int, int]] = [{} for _ in seq.tables]
+        drop, tenant = self.pool.drop, seq.tenant
+        for g, table in enumerate(seq.tables):
+            for block in range(len(table) - 1, -1, -1):
+                page = table[block]
+                if not page:
+                    continue
+                if (g, block) in copied:
+                    swapped[g].append(block)
+                    drop(page, tenant)
+                else:
+                    kept[g][block] = page
+            swapped[g].reverse()
+            table.clear()
+        seq.table_version = next(self._stamps)
         seq.swapped_blocks = swapped
+        seq.kept = kept
         seq.state = KVState.SWAPPED
 
     def swap_in_demand(self, seq: Sequence) -> Demand:
@@ -789,17 +850,20 @@ class KVManager:
         demand = self.swap_in_demand(seq)
         if not self.fits(seq.tenant, demand):
             raise KVError(f"cannot swap in sequence {seq.seq_id}: not enough pages or budget")
-        assert seq.swapped_blocks is not None
+        assert seq.swapped_blocks is not None and seq.kept is not None
         pages = iter(self.pool.take(seq.tenant, demand.fresh_pages))
         copies: list[PageCopy] = []
-        for g, blocks in enumerate(seq.swapped_blocks):
+        for g, (blocks, kept) in enumerate(zip(seq.swapped_blocks, seq.kept, strict=True)):
             table = [NULL_PAGE] * seq.num_blocks
             for block in blocks:
                 table[block] = page = next(pages)
                 copies.append(PageCopy(g, block, page))
+            for block, page in kept.items():
+                table[block] = page
             seq.tables[g] = table
         seq.table_version = next(self._stamps)
         seq.swapped_blocks = None
+        seq.kept = None
         seq.state = KVState.RESIDENT
         seq.num_allocated = seq.num_computed
         self._register_blocks(seq, 0, seq.num_computed // self.block_size)

@@ -69,7 +69,9 @@ class Sequence:
         "registered",
         "scope",
         "swapped_blocks",
+        "kept",
         "cached_tokens",
+        "starts",
     )
 
     num_computed = _column(COMPUTED, "tokens whose K/V are written")
@@ -108,7 +110,11 @@ class Sequence:
         self.scope: Scope | None = None
         self._state = KVState.WAITING
         self.swapped_blocks: list[list[int]] | None = None  # per group, blocks copied out
+        # Per group, block -> page still held on the device while swapped out:
+        # pages others share (or public ones) are not copied, and stay shared.
+        self.kept: list[dict[int, int]] | None = None
         self.cached_tokens = 0  # tokens served from the prefix cache at the last start
+        self.starts = 0  # times it was given pages from nothing (first start, re-admissions)
 
     @property
     def state(self) -> KVState:
@@ -141,4 +147,7 @@ class Sequence:
 
     def held_pages(self) -> list[int]:
         """Every page this sequence references (each once)."""
-        return [page for table in self.tables for page in table if page]
+        held = [page for table in self.tables for page in table if page]
+        if self.kept:
+            held += [page for group in self.kept for page in group.values()]
+        return held

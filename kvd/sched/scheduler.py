@@ -1,275 +1,102 @@
 """Continuous batching with multi-tenant policy, one synchronous step at a time.
 
-Each ``step()``:
+The scheduler is sans-IO: it owns the KV manager (pages, prefix cache, tenant
+ledger) and decides; an executor (kvd/sched/executor.py: the engine, or a
+simulated one in tests) computes. Each ``step()``:
+
 1. expires waiting requests past their deadline;
-2. schedules the running sequences, most important first (tier, then age):
-   a decode token or the next prefill chunk each, within the step's token
-   budget. A sequence that needs a page the pool cannot give gets one through
-   the KV core's eviction plan (victims are recomputed or swapped, whichever
-   the measured cost model says is cheaper), or is preempted itself;
-3. swaps back in what fits;
-4. admits waiting requests: tier first, then the backlogged tenant with the
-   smallest virtual token counter, first come first served within a tenant
-   (in ``free`` mode: first come, first served across tenants).
-   A tenant under its reservation reclaims other tenants' surplus, so its
-   request starts within the step;
-5. runs the engine once and turns sampled tokens into events.
+2. schedules every running decode first (one token each): a decode that
+   needs a page the pool cannot give gets one through the KV core's eviction
+   plan, or is preempted itself;
+3. shares what is left of the step among prefill work (running prefill
+   chunks, swapped-out sequences coming back, waiting requests), a tenant at a
+   time: the most important tier first, then the backlogged tenant with the
+   smallest virtual token counter (VTC), first come first served within a
+   tenant (in ``free`` mode: first come, first served across tenants). A chunk
+   is cut to the step's token and time budget (kvd/sched/stepplan.py) and to
+   the pages its tenant may take. A tenant under its reservation reclaims
+   other tenants' surplus, so its request starts within the step;
+4. runs the executor once, commits the computed tokens to the KV manager and
+   turns sampled tokens into events.
 
 Finished and cancelled sequences give their pages back at once.
 """
 
 from __future__ import annotations
 
-import bisect
-import enum
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from kvd.engine.engine import Engine
-from kvd.engine.sampling import SamplingParams
+from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.columns import COMPUTED, LENGTH
 from kvd.kv.eviction import plan_eviction
 from kvd.kv.ledger import BudgetMode, TenantBudget
-from kvd.kv.manager import PrefixHit
-from kvd.kv.scope import SharingPolicy
+from kvd.kv.manager import KVManager, PrefixHit
 from kvd.kv.sequence import KVState, Sequence
-from kvd.sched.costmodel import Rates
+from kvd.sched.admission import prompt_problem, total_tokens
+from kvd.sched.costmodel import Rates, measure_rates
+from kvd.sched.executor import Executor
 from kvd.sched.fairshare import VirtualCounters
-from kvd.sched.ratelimit import RateLimited, RateLimits, TenantLimiter
+from kvd.sched.preemption import SWAP, SwapSpace, preemption_kind
+from kvd.sched.ratelimit import RateLimited, TenantLimiter
+from kvd.sched.requests import (
+    ParamsOf,
+    Rejection,
+    Request,
+    RequestState,
+    RunningOrder,
+    StepEvent,
+    StepWork,
+)
+from kvd.sched.settings import SchedulerConfig, TenantConfig
+from kvd.sched.stats import SchedulerStats, TenantStats
+from kvd.sched.stepplan import StepPlan
+from kvd.sched.tokens import SlotInfo, outcome
+
+__all__ = [
+    "Rejection",
+    "Request",
+    "RequestState",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "StepEvent",
+    "StepWork",
+    "TenantConfig",
+    "TenantStats",
+]
 
 _NO_SLOTS = np.zeros(0, np.int64)
-
-
-class TenantConfig(msgspec.Struct, frozen=True):
-    name: str
-    reservation_pages: int = 0
-    cap_pages: int | None = None
-    tier: str = "interactive"
-    weight: float = 1.0
-    limits: RateLimits = RateLimits()
-    max_queue: int = 64
-
-
-class SchedulerConfig(msgspec.Struct, frozen=True):
-    tiers: tuple[str, ...] = ("interactive", "batch")  # most important first
-    mode: BudgetMode = BudgetMode.RESERVE
-    policy: SharingPolicy = SharingPolicy.PUBLIC
-    preemption: str = "auto"  # "auto" (cost model), "recompute" or "swap"
-
-
-class Rejection(Exception):
-    """A request refused at admission, with the HTTP status the API should use."""
-
-    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.retry_after = retry_after
-
-
-class RequestState(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-
-
-# Fields a decode step reads come first: a step touches every running request,
-# and on a CPU whose caches the model call has just flushed, each cache line
-# of each request costs a miss.
-@dataclass(slots=True, eq=False, kw_only=True)  # eq=False: compared by identity
-class Request:
-    seq: Sequence | None = None
-    state: RequestState = RequestState.WAITING
-    request_id: str
-    tenant: str
-    stop_length: int  # prompt + max_tokens, or the context: the sequence ends at this length
-    prompt_len: int
-    params: SamplingParams
-    prompt: list[int]
-    tier: int
-    arrival: float
-    deadline: float | None
-    cache_salt: str | None
-    order_key: tuple[int, float, int]  # (tier, arrival, serial): the running order
-    finish_reason: str | None = None
-    host_pages: tuple[list[tuple[int, int]], np.ndarray[Any, Any]] | None = None
-    first_token_at: float | None = None
-    started_at: float | None = None
-    charged_input: bool = False
-    cached_tokens: int = 0
-    preemptions: int = 0
-
-    @property
-    def output(self) -> list[int]:
-        """The tokens generated so far (they follow the prompt in its sequence)."""
-        return [] if self.seq is None else self.seq.tokens[self.prompt_len :]
-
-
-class RunningOrder:
-    """The running requests, most important first (tier, then age), kept
-    sorted as requests come and go instead of sorted again every step."""
-
-    def __init__(self) -> None:
-        self._keys: list[tuple[int, float, int]] = []
-        self._requests: list[Request] = []
-
-    def add(self, request: Request) -> None:
-        at = bisect.bisect_left(self._keys, request.order_key)
-        self._keys.insert(at, request.order_key)
-        self._requests.insert(at, request)
-
-    def remove(self, request: Request) -> None:
-        at = bisect.bisect_left(self._keys, request.order_key)
-        if at < len(self._requests) and self._requests[at] is request:
-            del self._keys[at]
-            del self._requests[at]
-
-    def snapshot(self) -> list[Request]:
-        return list(self._requests)
-
-
-class SlotInfo:
-    """Per KV slot, what token handling needs of the request whose sequence holds
-    it: a step reads these for all its sequences as arrays, not from 256
-    request objects."""
-
-    def __init__(self) -> None:
-        self.last_token_at = np.full(0, np.nan)  # NaN: no token yet
-        self.stop_length = np.zeros(0, np.int64)  # the sequence ends at this length
-        self.tenant = np.zeros(0, np.int64)  # index into Scheduler.tenant_names
-
-    def start(self, slot: int, capacity: int, stop_length: int, tenant: int) -> None:
-        """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
-        if len(self.stop_length) < capacity:
-            self._grow(capacity)
-        self.last_token_at[slot] = np.nan
-        self.stop_length[slot] = stop_length
-        self.tenant[slot] = tenant
-
-    def _grow(self, capacity: int) -> None:
-        old = len(self.stop_length)
-        for name, fill in (("last_token_at", np.nan), ("stop_length", 0), ("tenant", 0)):
-            column = getattr(self, name)
-            grown = np.full(capacity, fill, column.dtype)
-            grown[:old] = column
-            setattr(self, name, grown)
-
-
-class StepWork:
-    """What one step computes: requests, and how many tokens of each, in order."""
-
-    __slots__ = ("requests", "counts")
-
-    def __init__(self) -> None:
-        self.requests: list[Request] = []
-        self.counts: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def add(self, request: Request, count: int) -> None:
-        self.requests.append(request)
-        self.counts.append(count)
-
-    def add_decodes(self, requests: list[Request]) -> None:
-        self.requests += requests
-        self.counts += [1] * len(requests)
-
-    def remove(self, request: Request) -> None:
-        for i, scheduled in enumerate(self.requests):
-            if scheduled is request:
-                del self.requests[i]
-                del self.counts[i]
-                return
-
-
-class ParamsOf:
-    """The sampling parameters of ``requests``, read only where the engine needs
-    them (a sequence's first step): a decode step does not touch 256 of them."""
-
-    __slots__ = ("_requests",)
-
-    def __init__(self, requests: list[Request]) -> None:
-        self._requests = requests
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def __getitem__(self, index: int) -> SamplingParams:
-        return self._requests[index].params
-
-
-class StepEvent(msgspec.Struct, frozen=True):
-    request_id: str
-    token: int | None  # None for an event without a token (rejection, cancel)
-    logprob: float
-    finished: bool
-    finish_reason: str | None = None
-
-
-class TenantStats(msgspec.Struct):
-    running: int = 0
-    waiting: int = 0
-    swapped: int = 0
-    pages_used: int = 0
-    pages_reserved: int = 0
-    pages_cap: int | None = None
-    surplus_pages: int = 0
-    service: float = 0.0
-    preempted_recompute: int = 0
-    preempted_swap: int = 0
-    rate_limited: int = 0
-    finished: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-class SchedulerStats(msgspec.Struct):
-    steps: int
-    running: int
-    waiting: int
-    swapped: int
-    free_pages: int
-    cached_pages: int
-    used_pages: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    preempted_recompute: int
-    preempted_swap: int
-    ttft_s: list[float]  # since the last stats() call
-    inter_token_s: list[float]
-    queue_s: list[float]
-    tenants: dict[str, TenantStats]
-    prefill_tokens_per_s: float | None
-    copy_bytes_per_s: float | None
-    crossover_tokens: int | None
 
 
 class Scheduler:
     def __init__(
         self,
-        engine: Engine,
+        executor: Executor,
         config: SchedulerConfig | None = None,
         *,
+        kv: KVManager | None = None,
         rates: Rates | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.engine = engine
-        self.kv = engine.kv
-        self.config = config or SchedulerConfig()
-        self.kv.set_mode(self.config.mode)
-        self.kv.set_policy(self.config.policy)
+        self.executor = executor
+        self.limits = executor.limits
+        self.config = config = config or SchedulerConfig()
+        if kv is None:
+            kv = KVManager(executor.layout, executor.num_pages)
+        kv.set_mode(config.mode)
+        kv.set_policy(config.policy)
+        self.kv = kv
+        executor.bind(kv)
         self.rates = rates
         self.clock = clock
+        self.swap_space = SwapSpace(config.swap_pages)
         self.tenants: dict[str, TenantConfig] = {}
         self.limiters: dict[str, TenantLimiter] = {}
         self.queues: dict[str, deque[Request]] = {}
@@ -283,6 +110,7 @@ class Scheduler:
         self.steps = 0
         self.stalled = False
         self.preemptions = 0
+        self.last_step_predicted_s: float | None = None
         self._seq_ids = itertools.count(1)
         self._ttft: list[float] = []
         self._itl: list[float] = []
@@ -292,15 +120,26 @@ class Scheduler:
         self._slot_info = SlotInfo()
         self.tenant_names: list[str] = []  # SlotInfo.tenant indexes this
         self._tenant_index: dict[str, int] = {}
-        self._is_stop = np.zeros(engine.model.config.vocab_size, np.bool_)  # by token id
-        self._is_stop[sorted(engine.stop_ids)] = True
+        self._is_stop = np.zeros(self.limits.vocab_size, np.bool_)  # by token id
+        self._is_stop[sorted(executor.stop_ids)] = True
         self._queue: list[float] = []
         # Preemptions as they happen, (request id, tenant, kind), for the
         # daemon's logs; bounded, so a caller that never reads costs nothing.
         self.preemption_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
+        # Requests as they start, (request id, tenant, queue steps, cached tokens),
+        # for the daemon's logs; bounded likewise.
+        self.start_log: deque[tuple[str, str, int, int]] = deque(maxlen=4096)
         # Per public prefix: [requests that started with it, of those served
         # from cache, prompt tokens served from cache].
         self.prefix_hits: dict[str, list[int]] = {}
+
+    def calibrate(self, repeats: int = 3) -> Rates:
+        """Measure the executor's rates (on a scratch KV manager) and use them."""
+        try:
+            self.rates = measure_rates(self.executor, repeats)
+        finally:
+            self.executor.bind(self.kv)
+        return self.rates
 
     # -- tenants ---------------------------------------------------------------
 
@@ -356,21 +195,14 @@ class Scheduler:
             raise Rejection(401, "unknown_tenant", f"unknown tenant {tenant!r}")
         if request_id in self.requests:
             raise Rejection(400, "duplicate_id", f"request {request_id!r} already exists")
-        if not prompt:
-            raise Rejection(400, "empty_prompt", "the prompt is empty")
-        vocab = self.engine.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise Rejection(400, "bad_token", "the prompt holds token ids outside the vocabulary")
-        limit = self.engine.config.max_model_len
-        if len(prompt) >= limit:
-            raise Rejection(
-                413,
-                "prompt_too_long",
-                f"the prompt has {len(prompt)} tokens; the context is {limit} tokens",
-            )
-        pages = self.kv.layout.pages_for_tokens(
-            len(prompt) + min(params.max_tokens, limit - len(prompt))
-        )
+        limit = self.limits.max_model_len
+        problem = prompt_problem(prompt, self.limits.vocab_size, limit)
+        if problem is not None:
+            raise problem
+        stop_length = total_tokens(len(prompt), params.max_tokens, limit)
+        # Chunks shrink to the pages a tenant may take, so what a request needs
+        # is what it holds computed a block at a time.
+        pages = self.kv.layout.pages_for_tokens(stop_length)
         most, limited_by = self.kv.ledger.most(tenant)
         if pages > most:
             raise Rejection(
@@ -388,9 +220,8 @@ class Scheduler:
                 429, "queue_full", f"tenant queue is full ({config.max_queue} waiting)", 1.0
             )
         now = self.clock()
-        budget_tokens = len(prompt) + min(params.max_tokens, limit - len(prompt))
         try:
-            self.limiters[tenant].admit(budget_tokens, now)
+            self.limiters[tenant].admit(stop_length, now)
         except RateLimited as exc:
             if exc.retry_after is None:  # larger than a whole minute's allowance
                 raise Rejection(
@@ -402,7 +233,7 @@ class Scheduler:
         request = Request(
             request_id=request_id,
             tenant=tenant,
-            stop_length=len(prompt) + min(params.max_tokens, limit - len(prompt)),
+            stop_length=stop_length,
             prompt_len=len(prompt),
             params=params,
             prompt=list(prompt),
@@ -411,6 +242,7 @@ class Scheduler:
             deadline=None if deadline_s is None else now + deadline_s,
             cache_salt=cache_salt,
             order_key=(tier_index, now, next(self._serials)),
+            arrival_step=self.steps,
         )
         if not queue and not self._backlogged(tenant):
             self.counters.activate(tenant, self._active_tenants())
@@ -442,16 +274,24 @@ class Scheduler:
         self.steps += 1
         events: list[StepEvent] = []
         self._expire(now, events)
-        work = StepWork()
-        budget = self.engine.config.max_num_batched_tokens
+        target = self.config.target_step_ms
+        plan = StepPlan(
+            self.limits.max_num_batched_tokens,
+            self.limits.max_num_seqs,
+            self.rates,
+            None if target is None else target / 1e3,
+            floor_tokens=self.kv.block_size,
+        )
         preempted = self.preemptions
-        budget = self._schedule_running(work, budget)
-        budget = self._swap_in(work, budget)
-        self._admit(work, budget, now)
+        prefilling = self._schedule_decodes(plan)
+        self._schedule_prefills(plan, prefilling, now)
+        work = plan.work
         # Waiting work that nothing in this step could start, and nothing was
         # freed for: only a change (a cancel, an admin command) or time can help.
         self.stalled = not work and self.preemptions == preempted and not events
+        self.last_step_predicted_s = plan.predicted_s()
         if not work:
+            self._decode_slots = ([], _NO_SLOTS)
             return events
         requests = work.requests
         seqs: list[Sequence] = [request.seq for request in requests]  # type: ignore[misc]
@@ -459,10 +299,16 @@ class Scheduler:
         if scheduled != requests:  # more or fewer than the running decodes
             slots = self.kv.slots_of(seqs)
         self._decode_slots = ([], _NO_SLOTS)
-        block = self.kv.columns.matrix[:, slots]  # the step's counters, gathered once
-        tokens, logprobs, stopped = self.engine.run(
-            seqs, work.counts, ParamsOf(requests), slots, block
+        kv = self.kv
+        block = kv.columns.matrix[:, slots]  # the step's counters, gathered once
+        counts = work.counts
+        tokens, logprobs, stopped = self.executor.run(
+            seqs, counts, ParamsOf(requests), slots, block
         )
+        if len(counts) == plan.tokens and bool((block[LENGTH] == block[COMPUTED] + 1).all()):
+            kv.commit_decodes(seqs, slots, block)
+        else:
+            kv.commit_batch(seqs, counts, slots)
         self._record_tokens(work, seqs, slots, block, tokens, logprobs, stopped, events)
         return events
 
@@ -474,127 +320,182 @@ class Scheduler:
         del self.running[request.request_id]
         self._running_order.remove(request)
 
-    def _order(self, requests: list[Request]) -> list[Request]:
-        return sorted(requests, key=lambda r: (r.tier, r.arrival))
-
-    def _schedule_running(self, work: StepWork, budget: int) -> int:
-        max_seqs = self.engine.config.max_num_seqs
+    def _schedule_decodes(self, plan: StepPlan) -> list[Request]:
+        """Every running decode that fits the step, most important first; returns
+        the running requests with a prefill chunk to compute, in running order."""
         order = self._running_order.snapshot()
-        if len(order) <= max_seqs and len(order) <= budget:
-            # Every running request fits this step, so priority cannot decide who
-            # waits: the decodes are scheduled as one array operation, first
-            # (see KVManager.extend_decodes for when those starting a new block
-            # join them); the rest (prefill chunks, decodes that need pages
-            # someone else may want) follow by priority with the budget left,
-            # and may preempt by policy.
-            seqs: list[Sequence] = [request.seq for request in order]  # type: ignore[misc]
-            self._decode_slots = (order, self.kv.slots_of(seqs))  # step() reuses them
-            slow = self.kv.extend_decodes(seqs, self._decode_slots[1])
-            fast = order
-            if slow:
-                needs_work = set(slow)
-                fast = [r for i, r in enumerate(order) if i not in needs_work]
-                order = [order[i] for i in slow]
-            else:
-                order = []
-            work.add_decodes(fast)
-            budget -= len(fast)
-        extend_in_place = self.kv.extend_in_place
+        if not order:
+            return []
+        kv = self.kv
+        seqs: list[Sequence] = [request.seq for request in order]  # type: ignore[misc]
+        slots = kv.slots_of(seqs)
+        block = kv.columns.matrix[:, slots]
+        decode = block[LENGTH] == block[COMPUTED] + 1
+        if len(order) <= plan.max_seqs and len(order) <= plan.tokens_left:
+            # Every running decode fits this step, so priority cannot decide who
+            # waits: they are scheduled as one array operation (see
+            # KVManager.extend_decodes for when those starting a new block
+            # join them); decodes that need pages someone else may want follow
+            # by priority, and may preempt by policy.
+            self._decode_slots = (order, slots)  # step() reuses them
+            left = kv.extend_decodes(seqs, slots)
+            if not left:
+                plan.add_decodes(order, int(block[COMPUTED].sum()))
+                return []
+            waiting = set(left)
+            fast = [i for i in range(len(order)) if i not in waiting]
+            plan.add_decodes([order[i] for i in fast], int(block[COMPUTED][fast].sum()))
+            slow = [order[i] for i in left if decode[i]]
+            prefilling = [order[i] for i in left if not decode[i]]
+        else:
+            slow = [r for r, d in zip(order, decode.tolist(), strict=True) if d]
+            prefilling = [r for r, d in zip(order, decode.tolist(), strict=True) if not d]
         running = RequestState.RUNNING
-        for request in order:
-            if budget <= 0 or len(work) >= max_seqs:
+        for request in slow:
+            if plan.full():
                 break
             if request.state is not running:
                 continue  # preempted while making room for an earlier one
             seq = request.seq
             assert seq is not None
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            if extend_in_place(seq, n) or self._ensure_pages(request, n, None, work):
-                work.add(request, n)
-                budget -= n
-        return budget
+            if self._grow(request, 1, None, plan):
+                plan.add(request, 1, seq.num_computed, prefill=False)
+        return prefilling
 
-    def _swap_in(self, work: StepWork, budget: int) -> int:
-        for request in self._order(list(self.swapped.values())):
-            seq = request.seq
-            if budget <= 0 or len(work) >= self.engine.config.max_num_seqs or seq is None:
-                break
-            if not self.kv.can_swap_in(seq):
-                continue
-            assert request.host_pages is not None
-            blocks, data = request.host_pages
-            rows = {key: i for i, key in enumerate(blocks)}
-            copies = self.kv.swap_in(seq)
-            self.engine.copy_in(
-                [c.page for c in copies], data[[rows[(c.group, c.block)] for c in copies]]
-            )
-            request.host_pages = None
-            request.state = RequestState.RUNNING
-            del self.swapped[request.request_id]
-            self._add_running(request)
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            if self._ensure_pages(request, n, None, work):
-                work.add(request, n)
-                budget -= n
-        return budget
-
-    def _next_waiting(self, blocked: set[str]) -> Request | None:
-        candidates = [
-            (queue[0].tier, tenant)
-            for tenant, queue in self.queues.items()
-            if queue and tenant not in blocked
-        ]
-        if not candidates:
-            return None
-        best_tier = min(tier for tier, _ in candidates)
-        tenants = [t for tier, t in candidates if tier == best_tier]
-        if self.kv.ledger.mode is BudgetMode.FREE:
-            # Free-for-all: first come, first served across tenants, no fair share.
-            return min((self.queues[t][0] for t in tenants), key=lambda r: r.arrival)
-        return self.queues[self.counters.order(tenants)[0]][0]
-
-    def _admit(self, work: StepWork, budget: int, now: float) -> None:
+    def _schedule_prefills(self, plan: StepPlan, prefilling: list[Request], now: float) -> None:
+        """Prefill work by tenant: tier, then fair share, within the step's room."""
+        # Per tenant: running prefills, then swapped-out sequences, each with the
+        # state it was listed in (a victim of this step's evictions is skipped).
+        own: dict[str, list[tuple[Request, RequestState]]] = {}
+        for request in prefilling:
+            own.setdefault(request.tenant, []).append((request, RequestState.RUNNING))
+        for request in sorted(self.swapped.values(), key=lambda r: r.order_key):
+            own.setdefault(request.tenant, []).append((request, RequestState.SWAPPED))
         blocked: set[str] = set()
-        while budget > 0 and len(work) < self.engine.config.max_num_seqs:
-            request = self._next_waiting(blocked)
-            if request is None:
+        while not plan.full():
+            head = self._next_prefill(own, blocked)
+            if head is None:
                 return
-            if request.seq is None:
-                request.seq = self.kv.add_sequence(
-                    next(self._seq_ids),
-                    request.tenant,
-                    request.prompt,
-                    tier=request.tier,
-                    cache_salt=request.cache_salt,
-                )
-                self._slot_info.start(
-                    request.seq.slot,
-                    self.kv.columns.capacity,
-                    request.stop_length,
-                    self._tenant_index[request.tenant],
-                )
-            seq = request.seq
-            hit = self.kv.lookup(seq)
-            n = min(len(seq.tokens) - hit.num_tokens, budget)
-            if not self._ensure_pages(request, n, hit, work):
-                blocked.add(request.tenant)
+            request = head
+            if request.state is RequestState.WAITING:
+                outcome_ = self._admit(request, plan, now)
+                if outcome_ is None:
+                    return  # the step has no room left
+                if not outcome_:
+                    blocked.add(request.tenant)
                 continue
-            self.queues[request.tenant].popleft()
-            request.state = RequestState.RUNNING
-            self._add_running(request)
-            if request.started_at is None:
-                request.started_at = now
-                request.cached_tokens = hit.num_tokens
-                self._queue.append(now - request.arrival)
-                stats = self.tenant_stats[request.tenant]
-                stats.prompt_tokens += len(request.prompt)
-                stats.cached_tokens += hit.num_tokens
-                self._count_prefix_hit(hit)
-            if not request.charged_input:
-                self.counters.charge(request.tenant, input_tokens=len(request.prompt))
-                request.charged_input = True
-            work.add(request, n)
-            budget -= n
+            own[request.tenant].pop(0)
+            if request.state is RequestState.SWAPPED:
+                self._swap_in(request, plan)
+            elif request.state is RequestState.RUNNING:
+                seq = request.seq
+                assert seq is not None
+                n = plan.room(seq.num_computed, len(seq.tokens) - seq.num_computed)
+                if n <= 0:
+                    return
+                granted = self._grow(request, n, None, plan)
+                if granted:
+                    plan.add(request, granted, seq.num_computed)
+
+    def _next_prefill(
+        self, own: dict[str, list[tuple[Request, RequestState]]], blocked: set[str]
+    ) -> Request | None:
+        """The head of the tenant to serve next: the most important tier first,
+        then the smallest virtual counter (free mode: the oldest). ``blocked``
+        tenants' queues wait for the next step; their running work does not."""
+        best: Request | None = None
+        best_key: tuple[int, float, str] | None = None
+        free = self.kv.ledger.mode is BudgetMode.FREE
+        counters = self.counters.counters
+        for tenant in own.keys() | self.queues.keys():
+            mine = own.get(tenant)
+            while mine and mine[0][0].state is not mine[0][1]:
+                mine.pop(0)  # preempted (or finished) since it was listed
+            head = mine[0][0] if mine else None
+            queue = self.queues.get(tenant) if tenant not in blocked else None
+            if queue and (head is None or queue[0].tier < head.tier):
+                head = queue[0]
+            if head is None:
+                continue
+            key = (head.tier, head.arrival if free else counters.get(tenant, 0.0), tenant)
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        return best
+
+    def _admit(self, request: Request, plan: StepPlan, now: float) -> bool | None:
+        """Start a waiting request (the head of its tenant's queue): True if it
+        runs in this step, False if it must wait, None if the step has no room."""
+        kv = self.kv
+        if request.seq is None:
+            request.seq = kv.add_sequence(
+                next(self._seq_ids),
+                request.tenant,
+                request.prompt,
+                tier=request.tier,
+                cache_salt=request.cache_salt,
+            )
+            self._slot_info.start(
+                request.seq.slot,
+                kv.columns.capacity,
+                request.stop_length,
+                self._tenant_index[request.tenant],
+            )
+        seq = request.seq
+        hit = kv.lookup(seq)
+        n = plan.room(hit.num_tokens, len(seq.tokens) - hit.num_tokens)
+        if n <= 0:
+            return None
+        granted = self._grow(request, n, hit, plan)
+        if not granted:
+            return False
+        queue = self.queues[request.tenant]
+        if queue[0] is request:
+            queue.popleft()
+        else:  # its own victims went back to the head of the queue, before it
+            queue.remove(request)
+        request.state = RequestState.RUNNING
+        self._add_running(request)
+        if request.started_at is None:
+            request.started_at = now
+            request.cached_tokens = hit.num_tokens
+            request.queue_steps = self.steps - 1 - request.arrival_step
+            self._queue.append(now - request.arrival)
+            stats = self.tenant_stats[request.tenant]
+            stats.prompt_tokens += len(request.prompt)
+            stats.cached_tokens += hit.num_tokens
+            self._count_prefix_hit(hit)
+            self.start_log.append(
+                (request.request_id, request.tenant, request.queue_steps, hit.num_tokens)
+            )
+        if not request.charged_input:
+            self.counters.charge(request.tenant, input_tokens=len(request.prompt))
+            request.charged_input = True
+        plan.add(request, granted, seq.num_computed)
+        return True
+
+    def _swap_in(self, request: Request, plan: StepPlan) -> None:
+        seq = request.seq
+        assert seq is not None and request.host_pages is not None
+        if len(plan.work) >= plan.max_seqs or not self.kv.can_swap_in(seq):
+            return
+        blocks, data = request.host_pages
+        rows = {key: i for i, key in enumerate(blocks)}
+        copies = self.kv.swap_in(seq)
+        self.executor.copy_in(
+            [c.page for c in copies], data[[rows[(c.group, c.block)] for c in copies]]
+        )
+        self.swap_space.give(request.tenant, len(blocks))
+        if self.rates is not None:
+            plan.add_copy(self.rates.swap_s(len(blocks)) / 2)
+        request.host_pages = None
+        request.state = RequestState.RUNNING
+        del self.swapped[request.request_id]
+        self._add_running(request)
+        n = plan.room(seq.num_computed, len(seq.tokens) - seq.num_computed)
+        if n > 0:
+            granted = self._grow(request, n, None, plan)
+            if granted:
+                plan.add(request, granted, seq.num_computed)
 
     def _count_prefix_hit(self, hit: PrefixHit) -> None:
         name = hit.scope.public_prefix
@@ -606,31 +507,56 @@ class Scheduler:
         counts[1] += served > 0
         counts[2] += served
 
-    def _ensure_pages(
-        self, request: Request, n: int, hit: PrefixHit | None, work: StepWork
-    ) -> bool:
-        """Allocate pages for ``n`` more tokens, preempting by policy if needed."""
+    def _grow(self, request: Request, n: int, hit: PrefixHit | None, plan: StepPlan) -> int:
+        """Pages for up to ``n`` more tokens (after ``hit``, for a waiting
+        request); returns how many it got (0: none, and it waits).
+
+        The one way a sequence grows: in place when its last block has room;
+        otherwise as much of ``n`` as the idle pages and the tenant's budget
+        allow; only when not one block fits, by evicting per policy. A running
+        sequence that cannot grow at all yields (is preempted), as in vLLM.
+        """
         seq = request.seq
         assert seq is not None
         kv = self.kv
         if hit is None and kv.extend_in_place(seq, n):
-            return True
+            return n
         demand = kv.try_allocate(seq, n, hit)
         if demand is None:
-            return True
-        plan = plan_eviction(kv, seq, demand, hit)
-        if plan is None:
+            return n
+        fit = self._most_that_fits(seq, n, hit)
+        if fit:
+            kv.allocate(seq, fit, hit)
+            return fit
+        evict = plan_eviction(kv, seq, demand, hit)
+        if evict is None:
             if request.state is RequestState.RUNNING:
-                self._preempt(request, work)  # it cannot grow: it yields, as vLLM does
-            return False
-        for victim in plan.victims:
-            self._preempt(self._by_seq(victim.seq_id), work)
+                self._preempt(request, plan)  # it cannot grow: it yields
+            return 0
+        for victim in evict.victims:
+            self._preempt(self._by_seq(victim.seq_id), plan)
         if hit is not None and hit.epoch != kv.pool.evictions:
-            return False
-        if not kv.can_allocate(seq, n, hit):
-            return False
-        kv.allocate(seq, n, hit)
-        return True
+            return 0  # the victims' pages evicted what the hit was made of: next step
+        n = self._most_that_fits(seq, n, hit, whole=True)
+        if n:
+            kv.allocate(seq, n, hit)
+        return n
+
+    def _most_that_fits(
+        self, seq: Sequence, n: int, hit: PrefixHit | None, whole: bool = False
+    ) -> int:
+        """The most of ``n`` tokens (``whole``: all of them or none) that the idle
+        pages and the tenant's budget allow now, without evicting anyone."""
+        kv = self.kv
+        if kv.can_allocate(seq, n, hit):
+            return n
+        if whole:
+            return 0
+        low, high = 0, n  # low fits (0 always does), high does not
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if kv.can_allocate(seq, mid, hit) else (low, mid)
+        return low
 
     def _by_seq(self, seq_id: int) -> Request:
         for request in self.running.values():
@@ -639,28 +565,31 @@ class Scheduler:
         raise KeyError(seq_id)
 
     def preemption_kind(self, seq: Sequence) -> str:
-        if self.config.preemption != "auto" or self.rates is None:
-            return "swap" if self.config.preemption == "swap" else "recompute"
-        pages = len(seq.held_pages())
-        recompute = self.rates.recompute_s(seq.num_computed)
-        return "swap" if self.rates.swap_s(pages) < recompute else "recompute"
+        tenant = self.tenants.get(seq.tenant)
+        return preemption_kind(
+            self.config.preemption,
+            self.rates,
+            self.kv,
+            seq,
+            self.swap_space,
+            tenant.swap_pages if tenant else None,
+        )
 
-    def _preempt(self, request: Request, work: StepWork) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         seq = request.seq
         assert seq is not None
-        work.remove(request)
+        plan.remove(request)
         kind = self.preemption_kind(seq)
         stats = self.tenant_stats[request.tenant]
         self._remove_running(request)
         request.preemptions += 1
         self.preemptions += 1
-        if seq.num_computed == 0:
-            kind = "recompute"  # nothing computed yet: nothing to swap
         self.preemption_log.append((request.request_id, request.tenant, kind))
-        if kind == "swap":
+        if kind == SWAP:
             copies = self.kv.begin_swap_out(seq)
-            data = self.engine.copy_out([c.page for c in copies])
+            data = self.executor.copy_out([c.page for c in copies])
             self.kv.finish_swap_out(seq)
+            self.swap_space.take(request.tenant, len(copies))
             request.host_pages = ([(c.group, c.block) for c in copies], data)
             request.state = RequestState.SWAPPED
             self.swapped[request.request_id] = request
@@ -688,24 +617,22 @@ class Scheduler:
         the batch (this runs for every running sequence every step). ``block``
         holds the sequences' columns from before the step."""
         now = self.clock()
+        info = self._slot_info
+        out = outcome(
+            work.counts, slots, block, tokens, logprobs, stopped, self._is_stop, info.stop_length
+        )
         requests = work.requests
-        length = block[LENGTH]
-        sampled = block[COMPUTED] + np.asarray(work.counts) == length  # not a prefill chunk
-        if not sampled.all():
-            keep = np.flatnonzero(sampled)
-            requests = [requests[i] for i in keep.tolist()]
-            seqs = [seqs[i] for i in keep.tolist()]
-            slots, length = slots[keep], length[keep]
-            tokens, logprobs, stopped = tokens[keep], logprobs[keep], stopped[keep]
+        if out.keep is not None:
+            keep = out.keep.tolist()
+            requests = [requests[i] for i in keep]
+            seqs = [seqs[i] for i in keep]
         if not requests:
             return
-        info = self._slot_info
-        by_stop = stopped | self._is_stop[tokens]
-        finished = by_stop | (length >= info.stop_length[slots] - 1)  # with this token
+        slots, finished, by_stop = out.slots, out.finished, out.by_stop
         self._observe_latency(requests, slots, now)
-        token_list = tokens.tolist()
+        token_list = out.tokens.tolist()
         # A last token too: it is part of the output.
-        self.kv.append_decoded(seqs, token_list, slots, length)
+        self.kv.append_decoded(seqs, token_list, slots, out.length)
         reasons: list[str | None] = [None] * len(requests)
         ends = np.flatnonzero(finished).tolist()
         for i in ends:
@@ -714,7 +641,7 @@ class Scheduler:
             StepEvent,
             [r.request_id for r in requests],
             token_list,
-            logprobs.tolist(),
+            out.logprobs.tolist(),
             finished.tolist(),
             reasons,
         )
@@ -758,6 +685,8 @@ class Scheduler:
             queue.remove(request)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
+        if request.host_pages is not None:
+            self.swap_space.give(request.tenant, len(request.host_pages[0]))
         request.host_pages = None
         self.tenant_stats[request.tenant].finished += 1
         del self.requests[request.request_id]

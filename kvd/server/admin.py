@@ -28,6 +28,7 @@ from kvd.kv.ledger import BudgetMode
 from kvd.kv.scope import SharingPolicy
 from kvd.server.config import Config, ConfigError, TenantEntry, validate
 from kvd.server.http import ServerState, TenantAccess
+from kvd.server.loading import tenant_config
 from kvd.server.state import AUDIT_KEPT, AuditEntry, LiveState, PrefixTokens, StateStore
 
 log = structlog.get_logger("kvd")
@@ -298,8 +299,6 @@ class Admin:
             raise ValueError(str(exc)) from None
 
     def _tenant_config(self, entry: TenantEntry) -> Any:
-        from kvd.server.daemon import tenant_config
-
         kv = self.runtime.scheduler.kv
         return tenant_config(self.config, entry, kv.layout.page_bytes, kv.pool.capacity)
 

@@ -17,6 +17,7 @@ from msgspec import Meta
 
 from kvd.engine.sampling import MAX_STOP_IDS, MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 from kvd.engine.tokenizer import ChatMessage, Tokenizer, TokenizerError
+from kvd.sched.admission import prompt_problem
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -281,14 +282,6 @@ def _token_prompt(prompt: list[Any], vocab: int) -> list[int]:
         )
     if not all(type(t) is int for t in prompt):
         raise ApiError(400, "a prompt is a string or an array of token ids", param="prompt")
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise ApiError(
-            400,
-            f"token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})",
-            param="prompt",
-            code="bad_token",
-        )
     return list(prompt)
 
 
@@ -343,17 +336,15 @@ def prepare(
             prompt = tokenizer.encode(request.prompt)
         else:
             prompt = _token_prompt(request.prompt, vocab)
-            if not prompt:
-                raise ApiError(400, "the prompt is empty", param="prompt")
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         want_logprobs = request.logprobs is not None
-    if len(prompt) >= max_model_len:
+    problem = prompt_problem(prompt, vocab, max_model_len)
+    if problem is not None:
         raise ApiError(
-            413,
-            f"the prompt has {len(prompt)} tokens; this model's context is {max_model_len} "
-            "tokens, and at least one must be left for the completion",
+            problem.status,
+            str(problem),
             param="messages" if isinstance(request, ChatRequest) else "prompt",
-            code="prompt_too_long",
+            code=problem.code,
         )
     room = max_model_len - len(prompt)
     if max_tokens is None:

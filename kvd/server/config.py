@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvd.kv.ledger import BudgetMode
+from kvd.kv.ledger import BudgetMode, tenant_name_problem
 from kvd.kv.scope import SharingPolicy
 from kvd.units import SizeError, parse_size
 
@@ -70,6 +70,14 @@ class BudgetSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     preemption: str = "auto"  # "auto" (measured cost model), "recompute" or "swap"
 
 
+class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # A step's predicted time (the calibrated cost model) stays under this:
+    # prefill chunks shrink to fit after the decodes. None: a step is bounded
+    # by model.max_num_batched_tokens alone.
+    target_step_ms: float | None = None
+    swap_space: str = "4GiB"  # host memory swapped-out sequences may hold, all tenants
+
+
 class SharingSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     policy: SharingPolicy = SharingPolicy.PUBLIC
 
@@ -91,6 +99,7 @@ class TenantEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
     max_queue: int = 64
+    swap: str | None = None  # host swap it may hold: bytes or a share of swap_space; None: all
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -98,6 +107,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: ModelSection = ModelSection()
     pool: PoolSection = PoolSection()
     budget: BudgetSection = BudgetSection()
+    scheduler: SchedulerSection = SchedulerSection()
     sharing: SharingSection = SharingSection()
     tiers: list[str] = msgspec.field(default_factory=lambda: ["interactive", "batch"])
     prefixes: list[PrefixEntry] = msgspec.field(default_factory=list)
@@ -177,6 +187,9 @@ def validate(config: Config) -> None:
         _size("pool.size", pool.size)
     if not 0 < pool.auto_fraction <= 1:
         raise ConfigError("pool.auto_fraction: must be in (0, 1]")
+    if config.scheduler.target_step_ms is not None:
+        _positive("scheduler.target_step_ms", config.scheduler.target_step_ms)
+    _size("scheduler.swap_space", config.scheduler.swap_space)
     if config.budget.preemption not in ("auto", "recompute", "swap"):
         raise ConfigError("budget.preemption: must be 'auto', 'recompute' or 'swap'")
     if not config.tiers or len(set(config.tiers)) != len(config.tiers):
@@ -195,8 +208,9 @@ def validate(config: Config) -> None:
     digests: set[str] = set()
     for tenant in config.tenants:
         where = f"tenants.{tenant.name}"
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", tenant.name):
-            raise ConfigError(f"{where}: a tenant name is 1-64 letters, digits, '_', '.', '-'")
+        problem = tenant_name_problem(tenant.name)
+        if problem is not None:
+            raise ConfigError(f"{where}: {problem}")
         if tenant.name in tenants:
             raise ConfigError(f"{where}: the tenant is defined twice")
         tenants.add(tenant.name)
@@ -216,6 +230,8 @@ def validate(config: Config) -> None:
         _share(f"{where}.reservation", tenant.reservation)
         if tenant.burst_cap is not None:
             _share(f"{where}.burst_cap", tenant.burst_cap)
+        if tenant.swap is not None:
+            _share(f"{where}.swap", tenant.swap)
     if not config.tenants:
         raise ConfigError("tenants: at least one tenant is needed to serve anyone")
 

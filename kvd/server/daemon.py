@@ -23,8 +23,6 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,277 +32,28 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from kvd import __version__
-from kvd.engine.engine import Engine, EngineConfig
-from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
-from kvd.kv.layout import build_layout
-from kvd.kv.ledger import BudgetMode
-from kvd.sched.costmodel import measure_rates
-from kvd.sched.ratelimit import RateLimits
-from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from kvd.server import systemd
 from kvd.server.admin import Admin, create_admin_app
 from kvd.server.config import (
     Config,
     ConfigError,
     body_limit,
-    pages_of,
     parse_listen,
-    read_token_file,
     socket_mode,
 )
 from kvd.server.http import ServerState, TenantAccess, create_app, create_metrics_app
+from kvd.server.loading import Loaded, load
 from kvd.server.metrics import Metrics
 from kvd.server.runtime import Runtime
 from kvd.server.state import (
-    LiveState,
-    PrefixTokens,
     StateError,
     StateStore,
-    from_config,
     overridden,
 )
 
 log = structlog.get_logger("kvd")
 
 TCP_USER_TIMEOUT_MS = 30_000  # unacknowledged data this long drops the connection
-
-
-@dataclass
-class Loaded:
-    scheduler: Scheduler
-    model: LoadedModel
-    pool_pages: int
-    page_bytes: int
-    live: LiveState  # what the admin API changes, as applied
-
-
-# On a CPU the pool shares RAM with everything else on the host: "auto" takes
-# at most this much there (vLLM's CPU backend defaults its KV space to 4 GiB).
-CPU_AUTO_POOL_MAX = 4 << 30
-
-
-def _auto_pool_bytes(weights: int, fraction: float) -> int:
-    """The pool "auto" sizes once ``weights`` bytes of weights are placed:
-    ``fraction`` of free device memory less the weights, or on CPU of the
-    available RAM (where the loaded weights already are: placing them moves
-    them), within the service's memory limit and ``CPU_AUTO_POOL_MAX``."""
-    import jax
-
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)) - weights
-        return int(max(0, free) * fraction)
-    free = min(_host_available(), _cgroup_room())
-    return min(int(free * fraction), CPU_AUTO_POOL_MAX)
-
-
-def _host_available() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise ConfigError("pool.size = 'auto' cannot find the free memory here: give a size")
-
-
-def _cgroup_room() -> int:
-    """Memory left under this process's cgroup limits (systemd's MemoryMax=),
-    the tightest of its cgroup and their ancestors, v2 or v1; page cache
-    that could be dropped (inactive files) does not count as used."""
-    room = 1 << 62  # no limit found
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return room
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: one unified hierarchy
-            root, limit_file, usage_file = "/sys/fs/cgroup", "memory.max", "memory.current"
-        elif "memory" in controllers.split(","):  # v1: the memory controller's own
-            root = "/sys/fs/cgroup/memory"
-            limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):
-            directory = os.path.join(root, *parts[:depth])
-            limit = _read_int(os.path.join(directory, limit_file))
-            usage = _read_int(os.path.join(directory, usage_file))
-            if limit is None or usage is None:
-                continue
-            usage -= _inactive_file(os.path.join(directory, "memory.stat"))
-            room = min(room, max(0, limit - usage))
-    return room
-
-
-def _read_int(path: str) -> int | None:
-    """An integer file of the cgroup tree; None if absent or "max"."""
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _inactive_file(stat_path: str) -> int:
-    try:
-        with open(stat_path) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key in ("inactive_file", "total_inactive_file"):
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
-    """(pool tokens per page group, page bytes) for the configured pool size."""
-    from kvd.units import parse_size
-
-    kv_dtype = config.model.kv_dtype or config.model.dtype
-    layout = build_layout(model.config.kv_geometry(kv_dtype), config.pool.block_size)
-    if config.pool.size == "auto":
-        import jax
-
-        weights = sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(model.params))
-        budget = _auto_pool_bytes(weights, config.pool.auto_fraction)
-    else:
-        budget = parse_size(config.pool.size)
-    tokens = layout.pool_tokens(budget)
-    if tokens < 1:
-        raise ConfigError(
-            f"pool: {budget} bytes hold no block of {layout.num_groups} pages "
-            f"of {layout.page_bytes} bytes"
-        )
-    return tokens, layout.page_bytes
-
-
-def load(
-    config: Config,
-    progress: Callable[[str, dict[str, Any]], None],
-    saved: LiveState | None = None,
-) -> Loaded:
-    """Everything before serving; runs in a worker thread. ``saved`` (the
-    persisted admin state) overrides the config's tenants, budget mode,
-    sharing policy and public prefixes."""
-    cfg = config.model
-    progress("lifecycle.loading", {"source": cfg.source, "dtype": cfg.dtype})
-    if cfg.source == "random":
-        model = random_model_with_tokenizer(max_position=max(cfg.max_model_len, 256))
-    else:
-        source = cfg.source
-        if "/" in source or source.endswith(".gguf"):
-            source = str(config.path(source))
-        model = load_model(source, cfg.dtype)
-    pool_tokens, page_bytes = _pool_tokens(config, model)
-    engine = Engine(
-        model,
-        EngineConfig(
-            dtype=cfg.dtype,
-            kv_dtype=cfg.kv_dtype,
-            block_size=config.pool.block_size,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            pool_tokens=pool_tokens,
-            tensor_parallel=cfg.tensor_parallel,
-        ),
-    )
-    pool_pages = engine.kv.pool.capacity
-    progress(
-        "lifecycle.pool",
-        {"pages": pool_pages, "page_bytes": page_bytes, "tokens_per_group": pool_tokens},
-    )
-    live = saved or from_config(config, config_prefixes(config, model))
-    if saved is not None:
-        progress("lifecycle.state_restored", {"tenants": [t.name for t in saved.tenants]})
-    scheduler = Scheduler(
-        engine,
-        SchedulerConfig(
-            tiers=tuple(config.tiers),
-            mode=live.mode,
-            policy=live.policy,
-            preemption=config.budget.preemption,
-        ),
-    )
-    # Budgets and prefixes are checked against the real pool before the long
-    # warm-up, so a configuration the pool cannot honour fails in seconds.
-    for prefix in live.prefixes:
-        try:
-            scheduler.kv.add_public_prefix(prefix.name, prefix.tokens)
-        except ValueError as exc:
-            raise ConfigError(f"prefixes.{prefix.name}: {exc}") from None
-    for entry in live.tenants:
-        scheduler.set_tenant(tenant_config(config, entry, page_bytes, pool_pages))
-    last = [0.0]
-
-    def warm(done: int, total: int, what: str) -> None:
-        now = time.monotonic()
-        if done == total or now - last[0] >= 1.0:
-            last[0] = now
-            progress("lifecycle.warmup", {"done": done, "total": total, "compiling": what})
-
-    seconds = engine.warm_up(warm)
-    progress("lifecycle.warm", {"seconds": round(seconds, 2), "programs": engine.compiled_shapes()})
-    # Calibrate as the engine's own tenant, outside every budget, before anyone's work.
-    engine.kv.set_mode(BudgetMode.FREE)
-    rates = measure_rates(engine)
-    engine.kv.set_mode(live.mode)
-    # The calibration's prompts are nobody's: forget their pages and counts.
-    engine.kv.flush_cache()
-    engine.kv.prefix_query_tokens = engine.kv.prefix_hit_tokens = 0
-    engine.kv.remove_tenant(Engine.TENANT)
-    scheduler.rates = rates
-    progress(
-        "lifecycle.calibrated",
-        {
-            "prefill_tokens_per_s": round(rates.prefill_tokens_per_s, 1),
-            "copy_bytes_per_s": round(rates.copy_bytes_per_s),
-            "crossover_tokens": rates.crossover_tokens(),
-        },
-    )
-    return Loaded(scheduler, model, pool_pages, page_bytes, live)
-
-
-def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) -> TenantConfig:
-    where = f"tenants.{entry.name}"
-    reservation = pages_of(f"{where}.reservation", entry.reservation, page_bytes, pool_pages)
-    cap = None
-    if entry.burst_cap is not None:
-        cap = pages_of(f"{where}.burst_cap", entry.burst_cap, page_bytes, pool_pages)
-    return TenantConfig(
-        name=entry.name,
-        reservation_pages=reservation,
-        cap_pages=cap,
-        tier=entry.tier or config.tiers[0],
-        weight=entry.weight,
-        limits=RateLimits(entry.requests_per_minute, entry.tokens_per_minute),
-        max_queue=entry.max_queue,
-    )
-
-
-def config_prefixes(config: Config, model: LoadedModel) -> list[PrefixTokens]:
-    """The config's public prefixes as token ids (text is tokenized like a prompt)."""
-    out = []
-    for prefix in config.prefixes:
-        if prefix.text is not None:
-            tokens = model.tokenizer.encode(prefix.text)
-        elif prefix.chat_system is not None:
-            tokens = model.tokenizer.chat_system_prefix(prefix.chat_system)
-        else:
-            assert prefix.token_file is not None
-            tokens = read_token_file(config.path(prefix.token_file))
-        vocab = model.config.vocab_size
-        if any(not 0 <= t < vocab for t in tokens):
-            raise ConfigError(f"prefixes.{prefix.name}: token ids outside the vocabulary")
-        out.append(PrefixTokens(prefix.name, tokens))
-    return out
 
 
 class _Hypercorn(HypercornConfig):

@@ -260,7 +260,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
     if state.log_prompts:
         start_fields["prompt"] = relay.tokenizer.decode(prepared.prompt)
     log.info(
-        "request.start",
+        "request.accepted",
         request_id=request_id,
         client_request_id=client_id or None,
         tenant=access.name,

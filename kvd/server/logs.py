@@ -1,8 +1,9 @@
 """structlog JSON lines on stdout, one event per line, stable event names.
 
 Events: lifecycle.* (start, listening, loading, warmup, calibrated, ready,
-draining, drain_timeout, stopped, hard_exit, forced_exit), request.start,
-request.finish, request.refused, tenant.rate_limited, kv.preempt,
+draining, drain_timeout, stopped, hard_exit, forced_exit), request.accepted
+(the API took it), request.start (the scheduler started it: queue steps and
+seconds, cached tokens), request.finish, request.refused, tenant.rate_limited, kv.preempt,
 engine.step. Prompt and completion text appear only when
 ``server.log_prompts`` is on.
 """

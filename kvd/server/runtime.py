@@ -56,6 +56,7 @@ class StepTotals:
     steps: int = 0
     tokens: int = 0
     busy_s: float = 0.0
+    longest_s: float = 0.0  # the slowest step
     since: float = field(default_factory=time.monotonic)
 
 
@@ -258,6 +259,7 @@ class Runtime:
             totals.steps += 1
             totals.tokens += len(events)
             totals.busy_s += now - started
+            totals.longest_s = max(totals.longest_s, now - started)
             self._refresh(now)
             await trio.lowlevel.checkpoint()
 
@@ -286,6 +288,16 @@ class Runtime:
                 sink(tenant, first.get(tenant, []), gaps.get(tenant, []))
 
     def _log_preemptions(self) -> None:
+        starts = self.scheduler.start_log
+        while starts:
+            request_id, tenant, queue_steps, cached = starts.popleft()
+            log.info(
+                "request.start",
+                request_id=request_id,
+                tenant=tenant,
+                queue_steps=queue_steps,
+                cached_tokens=cached,
+            )
         notices = self.scheduler.preemption_log
         while notices:
             request_id, tenant, kind = notices.popleft()
@@ -303,6 +315,7 @@ class Runtime:
                 steps=totals.steps,
                 tokens=totals.tokens,
                 busy_s=round(totals.busy_s, 3),
+                longest_step_s=round(totals.longest_s, 3),
                 interval_s=round(now - totals.since, 3),
                 running=stats.running,
                 waiting=stats.waiting,

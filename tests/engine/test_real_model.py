@@ -18,6 +18,7 @@ from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
 from kvd.engine.loader import LoadedModel, embedded_gguf_path, load_model  # noqa: E402
 from kvd.engine.sampling import SamplingParams  # noqa: E402
 from kvd.engine.tokenizer import ChatMessage, StreamDecoder  # noqa: E402
+from kvd.sched.batch import BatchGenerator  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -60,6 +61,13 @@ def engine(model: LoadedModel) -> Engine:
 
 
 @pytest.fixture(scope="module")
+def generator(engine: Engine) -> BatchGenerator:
+    """The engine's prompts run through the scheduler, one KV manager for the
+    module (so prefix-cache tests see what earlier calls cached)."""
+    return BatchGenerator(engine)
+
+
+@pytest.fixture(scope="module")
 def oracle(model: LoadedModel) -> Any:
     gguf = embedded_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -79,10 +87,10 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 
 
 def test_greedy_matches_transformers_token_for_token(
-    engine: Engine, model: LoadedModel, oracle: Any
+    generator: BatchGenerator, model: LoadedModel, oracle: Any
 ) -> None:
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
-    ours = engine.generate(prompts, [greedy()] * len(prompts))  # ragged, batched together
+    ours = generator.generate(prompts, [greedy()] * len(prompts))  # ragged, batched together
     for prompt, result in zip(prompts, ours, strict=True):
         with torch.no_grad():
             out = oracle.generate(
@@ -92,28 +100,30 @@ def test_greedy_matches_transformers_token_for_token(
         got = result.completion_ids
         assert got == expected[: len(got)], model.tokenizer.decode(prompt)
         assert len(got) == NEW_TOKENS or result.finish_reason == "stop"
-    engine.kv.check_invariants()
-    assert engine.kv.pool.num_referenced() == 0
+    generator.kv.check_invariants()
+    assert generator.kv.pool.num_referenced() == 0
 
 
-def test_batch_and_prefix_cache_invariance(engine: Engine, model: LoadedModel) -> None:
+def test_batch_and_prefix_cache_invariance(generator: BatchGenerator, model: LoadedModel) -> None:
     tok = model.tokenizer
     base = tok.encode("The history of the printing press begins in")
-    alone = engine.generate([base], [greedy()])[0].completion_ids
+    alone = generator.generate([base], [greedy()])[0].completion_ids
     others = [tok.encode(p) for p in PROMPTS[:5]]
-    mixed = engine.generate([*others[:2], base, *others[2:]], [greedy()] * 6)
+    mixed = generator.generate([*others[:2], base, *others[2:]], [greedy()] * 6)
     assert mixed[2].completion_ids == alone
-    engine.kv.flush_cache()
+    generator.kv.flush_cache()
     long_prompt = base + alone[:20]  # 30 tokens: its first blocks are cached after this run
-    computed = engine.generate([long_prompt], [greedy(16)])[0]
+    computed = generator.generate([long_prompt], [greedy(16)])[0]
     assert computed.cached_tokens == 0
-    cached = engine.generate([long_prompt], [greedy(16)])[0]
+    cached = generator.generate([long_prompt], [greedy(16)])[0]
     assert cached.cached_tokens > 0
     assert cached.completion_ids == computed.completion_ids
     assert alone[20:36] == computed.completion_ids[: len(alone[20:36])]
 
 
-def test_no_compilation_after_warm_up(engine: Engine, model: LoadedModel) -> None:
+def test_no_compilation_after_warm_up(
+    engine: Engine, generator: BatchGenerator, model: LoadedModel
+) -> None:
     compiled = engine.compiled_shapes()
     tok = model.tokenizer
     prompts = [tok.encode(p * k) for k, p in enumerate(PROMPTS[:7], 1)]
@@ -127,21 +137,21 @@ def test_no_compilation_after_warm_up(engine: Engine, model: LoadedModel) -> Non
         greedy(20),
     ]
     for count in (1, 3, 7):
-        engine.generate(prompts[:count], params[:count])
+        generator.generate(prompts[:count], params[:count])
     assert engine.compiled_shapes() == compiled
     assert engine.late_compiles == 0
 
 
-def test_seeded_sampling_is_reproducible(engine: Engine, model: LoadedModel) -> None:
+def test_seeded_sampling_is_reproducible(generator: BatchGenerator, model: LoadedModel) -> None:
     prompt = model.tokenizer.encode("My favourite animal is the")
     a = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, logprobs=True)
     b = SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=12)
-    first, second, other = engine.generate([prompt] * 3, [a, a, b])
+    first, second, other = generator.generate([prompt] * 3, [a, a, b])
     assert first.completion_ids == second.completion_ids
     assert first.completion_ids != other.completion_ids
     top1 = SamplingParams(temperature=1.0, top_k=1, seed=7, max_tokens=12)
-    assert engine.generate([prompt], [top1])[0].completion_ids == (
-        engine.generate([prompt], [greedy(12)])[0].completion_ids
+    assert generator.generate([prompt], [top1])[0].completion_ids == (
+        generator.generate([prompt], [greedy(12)])[0].completion_ids
     )
     assert all(lp <= 0.0 for lp in first.logprobs) and any(lp < 0.0 for lp in first.logprobs)
 
@@ -200,10 +210,11 @@ def test_long_prompt_matches_transformers(model: LoadedModel, oracle: Any) -> No
     )
     engine = Engine(model, config)
     assert 0 < engine.sliding_ring < 2560 // config.block_size
-    result = engine.generate([prompt], [greedy(16)])[0]
+    generator = BatchGenerator(engine)
+    result = generator.generate([prompt], [greedy(16)])[0]
     with torch.no_grad():
         out = oracle.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
     assert result.completion_ids == out[0, len(prompt) :].tolist()[: len(result.completion_ids)]
     assert len(result.completion_ids) == 16 or result.finish_reason == "stop"
-    engine.kv.check_invariants()
-    assert engine.kv.pool.num_referenced() == 0
+    generator.kv.check_invariants()
+    assert generator.kv.pool.num_referenced() == 0

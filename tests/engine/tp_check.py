@@ -23,6 +23,9 @@ from kvd.engine.model import forward
 from kvd.engine.sampling import SamplingParams
 from kvd.engine.weights import random_params
 from kvd.kv.geometry import interleaved_kinds
+from kvd.kv.ledger import BudgetMode, TenantBudget
+from kvd.kv.manager import KVManager
+from kvd.sched.batch import BatchGenerator
 
 
 def tiny(kv_heads: int) -> LoadedModel:
@@ -48,9 +51,10 @@ def decode_logits(engine: Engine, prompts: list[list[int]]) -> np.ndarray:
     prefilled in one ragged step, then the last tokens decode together (past
     the sliding window for long prompts). Run by ``forward`` on the engine's
     (possibly sharded) weights and pool."""
-    kv = engine.kv
+    kv = KVManager(engine.layout, engine.num_pages, mode=BudgetMode.FREE)
+    kv.set_tenant("t", TenantBudget())
     step = jax.jit(partial(forward, engine.spec))
-    seqs = [kv.add_sequence(1000 + i, Engine.TENANT, p) for i, p in enumerate(prompts)]
+    seqs = [kv.add_sequence(1000 + i, "t", p) for i, p in enumerate(prompts)]
     pool = engine.pool
     logits = None
     for chunk in ("prefill", "decode"):
@@ -93,10 +97,10 @@ def main(case: str, sizes: list[int]) -> dict[str, object]:
     report: dict[str, object] = {"devices": jax.device_count()}
     reference = Engine(model, config)
     base_logits = decode_logits(reference, prompts) if case != "real" else None
-    base = reference.generate(prompts, [greedy] * len(prompts))
+    base = BatchGenerator(reference).generate(prompts, [greedy] * len(prompts))
     for n in sizes:
         engine = Engine(model, msgspec.structs.replace(config, tensor_parallel=n))
-        out = engine.generate(prompts, [greedy] * len(prompts))
+        out = BatchGenerator(engine).generate(prompts, [greedy] * len(prompts))
         entry: dict[str, object] = {
             "same_tokens": [g.completion_ids for g in out] == [g.completion_ids for g in base],
             "max_logprob_diff": max(

@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
 from kvd.engine.loader import random_model  # noqa: E402
 from kvd.engine.sampling import SamplingParams  # noqa: E402
+from kvd.sched.batch import BatchGenerator  # noqa: E402
 
 CONFIG = EngineConfig(
     block_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, pool_tokens=256
@@ -22,7 +23,8 @@ def run(monkeypatch: pytest.MonkeyPatch, attention: str) -> list[list[int]]:
     engine = Engine(random_model(vocab_size=64, sliding_window=12, seed=3), CONFIG)
     prompts = [[2, *range(5, 25)], [2, 7, 9, 11]]  # the first crosses the 12-token window
     greedy = SamplingParams(temperature=0.0, max_tokens=20)
-    return [g.completion_ids for g in engine.generate(prompts, [greedy, greedy])]
+    generations = BatchGenerator(engine).generate(prompts, [greedy, greedy])
+    return [g.completion_ids for g in generations]
 
 
 def test_kernel_and_reference_generate_the_same(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -202,13 +202,27 @@ def test_static_partitions_are_never_reclaimed(flat: PageLayout) -> None:
 def test_lowering_a_reservation_makes_surplus_reclaimable(flat: PageLayout) -> None:
     budgets = {"a": TenantBudget(reservation=15), "b": TenantBudget(reservation=15)}
     kv = make_kv(flat, pages=31, mode=BudgetMode.STATIC, tenants=budgets)
-    running(kv, 1, "b", 15)
+    running(kv, 1, "b", 5)
+    running(kv, 3, "b", 10)
     running(kv, 2, "a", 10)
     kv.set_tenant("b", TenantBudget(reservation=5))  # live change while b holds 15
     kv.set_tenant("a", TenantBudget(reservation=25))
     req = kv.add_sequence(9, "a", list(range(60)))  # 15 pages, within 25
     plan = plan_for(kv, req, 60)
-    assert plan is not None and [v.seq_id for v in plan.victims] == [1]
+    assert plan is not None and [v.seq_id for v in plan.victims] == [3]
+
+
+def test_reclaiming_never_pushes_a_tenant_under_its_reservation(flat: PageLayout) -> None:
+    """b's only sequence is larger than its surplus: taking it would leave b
+    under its reservation, so a waits instead (it used to take it)."""
+    budgets = {"a": TenantBudget(reservation=15), "b": TenantBudget(reservation=15)}
+    kv = make_kv(flat, pages=31, mode=BudgetMode.STATIC, tenants=budgets)
+    running(kv, 1, "b", 15)
+    running(kv, 2, "a", 10)
+    kv.set_tenant("b", TenantBudget(reservation=5))
+    kv.set_tenant("a", TenantBudget(reservation=25))
+    req = kv.add_sequence(9, "a", list(range(60)))
+    assert plan_for(kv, req, 60) is None
 
 
 def test_shared_pages_do_not_count_as_freed(flat: PageLayout) -> None:
@@ -266,7 +280,7 @@ def test_pages_the_requesters_hit_needs_are_not_counted_as_freed(flat: PageLayou
 
 
 def test_shared_charges_move_to_the_next_holder_in_the_plan(flat: PageLayout) -> None:
-    budgets = {"a": TenantBudget(0), "b": TenantBudget(1), "c": TenantBudget(10)}
+    budgets = {"a": TenantBudget(0), "b": TenantBudget(0), "c": TenantBudget(10)}
     kv = make_kv(flat, pages=21, policy=SharingPolicy.SHARED, tenants=budgets)
     tokens = list(range(65))
     a = kv.add_sequence(1, "a", tokens)

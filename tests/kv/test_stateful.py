@@ -196,17 +196,29 @@ class KVMachine(RuleBasedStateMachine):
 
     def swap_out(self, data: st.DataObject) -> None:
         seq = self._pick(data, KVState.RESIDENT)
+        pool = self.kv.pool
+        private = [
+            page
+            for page in seq.held_pages()
+            if pool.public[page] is None and sum((pool.holders[page] or {}).values()) == 1
+        ]
+        shared = sorted(set(seq.held_pages()) - set(private))
         copies = self.kv.begin_swap_out(seq)
-        assert sorted(c.page for c in copies) == sorted(seq.held_pages())
+        assert sorted(c.page for c in copies) == sorted(private)
         self.kv.check_invariants()
         self.kv.finish_swap_out(seq)
+        # Shared and public pages stay held (and shared) through the swap.
+        assert sorted(seq.held_pages()) == shared
+        self.kv.check_invariants()
 
     def swap_in(self, data: st.DataObject) -> None:
         seq = self._pick(data, KVState.SWAPPED)
         if not self.kv.can_swap_in(seq):
             return
         blocks = seq.swapped_blocks
+        kept = list(seq.held_pages())
         copies = self.kv.swap_in(seq)
+        assert set(kept) <= set(seq.held_pages())
         assert blocks is not None
         assert sorted((c.group, c.block) for c in copies) == sorted(
             (g, b) for g, bs in enumerate(blocks) for b in bs

@@ -13,9 +13,9 @@ from kvd.sched.scheduler import (
     RequestState,
     Scheduler,
     SchedulerConfig,
-    StepWork,
     TenantConfig,
 )
+from kvd.sched.stepplan import StepPlan
 from tests.sched.conftest import MakeEngine
 
 
@@ -50,7 +50,7 @@ def run_to_end(scheduler: Scheduler, limit: int = 500) -> dict[str, list[int]]:
 
 
 def make_scheduler(engine, mode=BudgetMode.RESERVE, preemption="auto", **tenants):  # type: ignore[no-untyped-def]
-    engine.kv.flush_cache()  # each scenario starts cold: no prefix hits from the last one
+    # A scheduler owns a KV manager of its own: each scenario starts cold.
     scheduler = Scheduler(
         engine, SchedulerConfig(mode=mode, preemption=preemption), clock=FakeClock()
     )
@@ -86,7 +86,7 @@ def test_preemption_is_invisible(engine, kind: str, when: str) -> None:  # type:
             assert request.state is RequestState.RUNNING
             if when == "mid-prefill":
                 assert request.seq is not None and request.seq.num_computed < len(ids)
-            scheduler._preempt(request, StepWork())
+            scheduler._preempt(request, StepPlan(32, 8))
             scheduler.kv.check_invariants()
             expected_state = RequestState.SWAPPED if kind == "swap" else RequestState.WAITING
             assert request.state is expected_state
@@ -164,7 +164,7 @@ def test_static_mode_refuses_by_the_reservation(engine) -> None:  # type: ignore
     or the pool: a request beyond it is a 413 that says so, not a wait."""
     tenant = TenantConfig("s", reservation_pages=8, cap_pages=64)
     scheduler = make_scheduler(engine, mode=BudgetMode.STATIC, s=tenant)
-    assert engine.kv.layout.pages_for_tokens(40 + 80) > 8
+    assert engine.layout.pages_for_tokens(40 + 80) > 8
     with pytest.raises(Rejection) as refused:
         scheduler.submit("big", "s", prompt(1, 40), greedy(80))
     assert refused.value.status == 413
@@ -210,7 +210,7 @@ def test_cancel_and_deadline_free_everything(engine) -> None:  # type: ignore[no
 
 def _isolation(engine, mode: BudgetMode) -> tuple[list[int], dict[str, list[int]], Scheduler]:  # type: ignore[no-untyped-def]
     """An abuser floods long requests; a reserved tenant sends short ones."""
-    capacity = engine.kv.pool.capacity
+    capacity = engine.num_pages - 1
     scheduler = make_scheduler(
         engine,
         mode=mode,
@@ -321,7 +321,7 @@ def test_bench_scheduler_prints_figures() -> None:
 
 def test_a_request_that_can_never_fit_is_refused_at_once(engine) -> None:  # type: ignore[no-untyped-def]
     scheduler = make_scheduler(engine, small=TenantConfig("small", cap_pages=8))
-    pages = engine.kv.layout.pages_for_tokens(40 + 80)
+    pages = engine.layout.pages_for_tokens(40 + 80)
     assert pages > 8
     with pytest.raises(Rejection) as refused:
         scheduler.submit("big", "small", prompt(1, 40), greedy(80))
@@ -363,4 +363,4 @@ def test_the_engine_tables_follow_the_kv_tables(make_engine: MakeEngine) -> None
                     assert row[g, : seq.num_blocks].tolist() == table, seq
             checked += 1
     assert checked > 100
-    engine.kv.check_invariants()
+    scheduler.kv.check_invariants()

@@ -200,7 +200,7 @@ def test_drain_wait_and_undrain(start_daemon: Any) -> None:
 
     thread = threading.Thread(target=stream)
     thread.start()
-    daemon.wait_count("request.start", 1)
+    daemon.wait_count("request.accepted", 1)
     waiting = subprocess.Popen(
         [sys.executable, "-m", "kvctl.cli", "--socket", str(daemon.admin_socket),
          "drain", "--wait", "--timeout", "60"],

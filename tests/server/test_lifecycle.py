@@ -98,7 +98,7 @@ def test_sigterm_drains_streams_then_exits_zero(start_daemon: Any) -> None:
         threads.append(threading.Thread(target=read_stream, args=(daemon, body, out)))
     for thread in threads:
         thread.start()
-    daemon.wait_count("request.start", 10)  # every stream admitted
+    daemon.wait_count("request.accepted", 10)  # every stream admitted
     sent = time.monotonic()
     daemon.proc.send_signal(signal.SIGTERM)
     daemon.wait_for("lifecycle.draining")
@@ -137,7 +137,7 @@ def test_a_client_that_stops_reading_cannot_hold_shutdown(start_daemon: Any) -> 
         )
         for i in range(4)
     ]
-    daemon.wait_count("request.start", 4)
+    daemon.wait_count("request.accepted", 4)
     # Far more than the socket buffers hold (a logprobs chunk is ~200 bytes).
     wait_until(
         lambda: (
@@ -167,7 +167,7 @@ def test_second_signal_exits_at_once(start_daemon: Any) -> None:
     body = {"prompt": "long", "max_tokens": 2000}
     thread = threading.Thread(target=read_stream, args=(daemon, body, out))
     thread.start()
-    daemon.wait_count("request.start", 1)
+    daemon.wait_count("request.accepted", 1)
     daemon.proc.send_signal(signal.SIGTERM)
     daemon.wait_for("lifecycle.draining")
     sent = time.monotonic()

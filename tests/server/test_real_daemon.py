@@ -84,7 +84,9 @@ def test_http_matches_the_engine(real_daemon: DaemonProcess, engine: Any) -> Non
     greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     chat = tokenizer.chat_prompt([ChatMessage("user", "Write a haiku about the sea.")])
-    expected = engine.generate([*prompts, chat], [greedy] * (len(prompts) + 1))
+    from kvd.sched.batch import BatchGenerator
+
+    expected = BatchGenerator(engine).generate([*prompts, chat], [greedy] * (len(prompts) + 1))
     oai = openai.OpenAI(base_url=f"{real_daemon.url}/v1", api_key=ALICE, max_retries=0)
     with oai:
         check_completions(oai, tokenizer, expected)

@@ -1,0 +1,74 @@
+"""What the scheduler needs from whatever computes tokens: the executor protocol.
+
+The scheduler is sans-IO: it decides, the executor computes. ``Engine``
+(kvd/engine/engine.py) implements this on a device; ``SimulatedExecutor``
+(kvd/sched/simulated.py) implements it in pure Python for policy tests and
+host-overhead benchmarks. Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+
+from kvd.engine.sampling_params import SamplingParams
+from kvd.kv.layout import PageLayout
+from kvd.kv.manager import KVManager
+from kvd.kv.sequence import Sequence
+
+Array = np.ndarray[Any, Any]
+
+
+class ExecutorLimits(msgspec.Struct, frozen=True):
+    """The shapes an executor can run: the scheduler plans within them."""
+
+    max_model_len: int  # a sequence's whole context, prompt and output
+    max_num_seqs: int  # sequences in one step
+    max_num_batched_tokens: int  # tokens in one step
+    vocab_size: int
+    token_buckets: tuple[int, ...] = ()  # a step of T tokens runs as the next bucket >= T
+
+
+class ParamsLookup(Protocol):
+    """Sampling parameters by position in a step's work (read lazily)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> SamplingParams: ...
+
+
+class Executor(Protocol):
+    layout: PageLayout  # the pool's pages: one size, grouped by attention kind
+    num_pages: int  # pages in the pool, the null page included
+    limits: ExecutorLimits
+    stop_ids: frozenset[int]  # tokens that end every generation (EOS, end of turn)
+
+    def bind(self, kv: KVManager) -> None:
+        """From now on the block tables are ``kv``'s (its owner calls this once,
+        before the first step, and again only with a new manager)."""
+
+    def run(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        params: ParamsLookup,
+        slots: Array,
+        block: Array,
+    ) -> tuple[Array, Array, Array]:
+        """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated;
+        ``slots``: their ``kv.slots_of``; ``block``: their columns before the
+        step) and return (sampled token, logprob, stopped by a stop id) per
+        sequence. The caller commits the computed tokens to the KV manager."""
+        ...
+
+    def copy_out(self, pages: list[int]) -> Array:
+        """The contents of ``pages``, on the host, one row per page."""
+        ...
+
+    def copy_in(self, pages: list[int], data: Array) -> None:
+        """Write host rows into ``pages`` before the next step (may be asynchronous)."""
+
+    def barrier(self) -> None:
+        """Wait until every dispatched copy and step has completed (for timing)."""

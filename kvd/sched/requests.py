@@ -1,0 +1,141 @@
+"""A request's life in the scheduler, and what one step computes and emits."""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvd.engine.sampling_params import SamplingParams
+from kvd.kv.sequence import Sequence
+
+
+class Rejection(Exception):
+    """A request refused at admission, with the HTTP status the API should use."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+# Fields a decode step reads come first: a step touches every running request,
+# and on a CPU whose caches the model call has just flushed, each cache line
+# of each request costs a miss.
+@dataclass(slots=True, eq=False, kw_only=True)  # eq=False: compared by identity
+class Request:
+    seq: Sequence | None = None
+    state: RequestState = RequestState.WAITING
+    request_id: str
+    tenant: str
+    stop_length: int  # prompt + max_tokens, or the context: the sequence ends at this length
+    prompt_len: int
+    params: SamplingParams
+    prompt: list[int]
+    tier: int
+    arrival: float
+    deadline: float | None
+    cache_salt: str | None
+    order_key: tuple[int, float, int]  # (tier, arrival, serial): the running order
+    finish_reason: str | None = None
+    host_pages: tuple[list[tuple[int, int]], np.ndarray[Any, Any]] | None = None
+    first_token_at: float | None = None
+    started_at: float | None = None
+    charged_input: bool = False
+    cached_tokens: int = 0
+    preemptions: int = 0
+    arrival_step: int = 0  # the scheduler's step count when it was queued
+    queue_steps: int | None = None  # steps between arrival and start
+
+    @property
+    def output(self) -> list[int]:
+        """The tokens generated so far (they follow the prompt in its sequence)."""
+        return [] if self.seq is None else self.seq.tokens[self.prompt_len :]
+
+
+class RunningOrder:
+    """The running requests, most important first (tier, then age), kept
+    sorted as requests come and go instead of sorted again every step."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, float, int]] = []
+        self._requests: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        at = bisect.bisect_left(self._keys, request.order_key)
+        self._keys.insert(at, request.order_key)
+        self._requests.insert(at, request)
+
+    def remove(self, request: Request) -> None:
+        at = bisect.bisect_left(self._keys, request.order_key)
+        if at < len(self._requests) and self._requests[at] is request:
+            del self._keys[at]
+            del self._requests[at]
+
+    def snapshot(self) -> list[Request]:
+        return list(self._requests)
+
+
+class StepWork:
+    """What one step computes: requests, and how many tokens of each, in order."""
+
+    __slots__ = ("requests", "counts")
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.counts: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request, count: int) -> None:
+        self.requests.append(request)
+        self.counts.append(count)
+
+    def add_decodes(self, requests: list[Request]) -> None:
+        self.requests += requests
+        self.counts += [1] * len(requests)
+
+    def remove(self, request: Request) -> int:
+        """Take ``request`` out; returns its token count (0 if it was not in)."""
+        for i, scheduled in enumerate(self.requests):
+            if scheduled is request:
+                del self.requests[i]
+                return self.counts.pop(i)
+        return 0
+
+
+class ParamsOf:
+    """The sampling parameters of ``requests``, read only where the engine needs
+    them (a sequence's first step): a decode step does not touch 256 of them."""
+
+    __slots__ = ("_requests",)
+
+    def __init__(self, requests: list[Request]) -> None:
+        self._requests = requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __getitem__(self, index: int) -> SamplingParams:
+        return self._requests[index].params
+
+
+class StepEvent(msgspec.Struct, frozen=True):
+    request_id: str
+    token: int | None  # None for an event without a token (rejection, cancel)
+    logprob: float
+    finished: bool
+    finish_reason: str | None = None

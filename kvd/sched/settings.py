@@ -1,0 +1,31 @@
+"""What an operator sets: the scheduler's policy and each tenant's terms."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvd.kv.ledger import BudgetMode
+from kvd.kv.scope import SharingPolicy
+from kvd.sched.ratelimit import RateLimits
+
+
+class TenantConfig(msgspec.Struct, frozen=True):
+    name: str
+    reservation_pages: int = 0
+    cap_pages: int | None = None
+    tier: str = "interactive"
+    weight: float = 1.0
+    limits: RateLimits = RateLimits()
+    max_queue: int = 64
+    swap_pages: int | None = None  # host pages its swapped-out sequences may hold
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True):
+    tiers: tuple[str, ...] = ("interactive", "batch")  # most important first
+    mode: BudgetMode = BudgetMode.RESERVE
+    policy: SharingPolicy = SharingPolicy.PUBLIC
+    preemption: str = "auto"  # "auto" (cost model), "recompute" or "swap"
+    # A step's predicted time (cost model) stays under this once it holds any
+    # work: prefill chunks shrink to fit after the decodes. None: tokens only.
+    target_step_ms: float | None = None
+    swap_pages: int | None = None  # host pages swapped-out sequences may hold, all tenants

@@ -1,0 +1,161 @@
+"""A deterministic, pure-Python executor: the scheduler's policy tested and
+benchmarked without JAX.
+
+Its "model" is a pure function of the tokens (``next_token``), so every
+request's output is known in advance (``expected_output``). It keeps the
+tokens each step writes in a pool of its own, page by page, as a device keeps
+K/V, and computes a sampled token from the context it reads back through the
+block tables: a page handed to two sequences, a stale prefix hit, a window
+slid too early or a swap that lost a page raises ``CorruptKV`` naming the
+page, instead of passing unseen.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from kvd.engine.sampling_params import SamplingParams
+from kvd.kv.columns import COMPUTED
+from kvd.kv.layout import PageLayout
+from kvd.kv.manager import KVManager
+from kvd.kv.sequence import Sequence
+from kvd.sched.executor import ExecutorLimits, ParamsLookup
+
+Array = np.ndarray[Any, Any]
+UNWRITTEN = -1
+
+
+class CorruptKV(AssertionError):
+    """A page did not hold what the sequence's block table says it holds."""
+
+
+def next_token(context: list[int] | Array, params: SamplingParams, vocab_size: int) -> int:
+    """The model: a hash of the whole context (and the seed, when sampling)."""
+    tokens = np.asarray(context, np.int64)
+    weights = np.arange(1, len(tokens) + 1, dtype=np.int64)
+    value = int((tokens * weights).sum()) * 1_000_003 + len(tokens) * 7919
+    if params.temperature > 0:
+        value += (params.seed or 0) * 104_729
+    return value % vocab_size
+
+
+def expected_output(
+    prompt: list[int], params: SamplingParams, limits: ExecutorLimits, stop_ids: frozenset[int]
+) -> tuple[list[int], str]:
+    """What a request must produce, computed without any KV: (tokens, finish reason)."""
+    tokens = list(prompt)
+    stop_length = len(prompt) + min(params.max_tokens, limits.max_model_len - len(prompt))
+    out: list[int] = []
+    while True:
+        token = next_token(tokens, params, limits.vocab_size)
+        out.append(token)
+        tokens.append(token)
+        if token in stop_ids or token in params.stop_token_ids:
+            return out, "stop"
+        if len(tokens) >= stop_length:
+            return out, "length"
+
+
+class SimulatedExecutor:
+    def __init__(
+        self,
+        layout: PageLayout,
+        num_pages: int,
+        limits: ExecutorLimits,
+        stop_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.layout = layout
+        self.num_pages = num_pages
+        self.limits = limits
+        self.stop_ids = stop_ids
+        groups, block = layout.num_groups, layout.block_size
+        # The token each page holds at each offset, per page group (a page
+        # belongs to one group at a time, but the pool does not say which).
+        self.pool = np.full((num_pages, block), UNWRITTEN, np.int64)
+        self.windows = [g.window for g in layout.groups]
+        self.groups = groups
+        self.kv: KVManager | None = None
+        self.steps = 0
+        self.device_seconds = 0.0
+
+    def bind(self, kv: KVManager) -> None:
+        if kv.layout != self.layout or kv.pool.num_pages != self.num_pages:
+            raise ValueError("the KV manager's layout or pool size is not this executor's")
+        self.kv = kv
+
+    def run(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        params: ParamsLookup,
+        slots: Array,
+        block: Array,
+    ) -> tuple[Array, Array, Array]:
+        started = time.perf_counter()
+        if len(seqs) > self.limits.max_num_seqs:
+            raise ValueError(f"{len(seqs)} sequences exceed max_num_seqs")
+        if sum(counts) > self.limits.max_num_batched_tokens:
+            raise ValueError(f"{sum(counts)} tokens exceed max_num_batched_tokens")
+        self.steps += 1
+        computed = block[COMPUTED].tolist()
+        sampled = np.zeros(len(seqs), np.int64)
+        stopped = np.zeros(len(seqs), np.bool_)
+        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+            start = computed[i]
+            end = start + n
+            self._write(seq, start, end)
+            if end == len(seq.tokens):
+                p = params[i]
+                token = next_token(self._read(seq, end), p, self.limits.vocab_size)
+                sampled[i] = token
+                stopped[i] = token in p.stop_token_ids
+        self.device_seconds += time.perf_counter() - started
+        return sampled, np.full(len(seqs), -0.5, np.float32), stopped
+
+    def _pages(self, seq: Sequence, group: int, positions: Array) -> Array:
+        table = np.asarray(seq.tables[group], np.int64)
+        blocks = positions // self.layout.block_size
+        if len(blocks) and int(blocks.max()) >= len(table):
+            raise CorruptKV(f"sequence {seq.seq_id}: no block for position {int(positions.max())}")
+        pages = table[blocks]
+        if (pages == 0).any():
+            at = int(positions[np.flatnonzero(pages == 0)[0]])
+            raise CorruptKV(f"sequence {seq.seq_id}, group {group}: null page at position {at}")
+        return pages
+
+    def _write(self, seq: Sequence, start: int, end: int) -> None:
+        positions = np.arange(start, end)
+        values = np.asarray(seq.tokens[start:end], np.int64)
+        offsets = positions % self.layout.block_size
+        for g in range(self.groups):
+            self.pool[self._pages(seq, g, positions), offsets] = values
+
+    def _read(self, seq: Sequence, end: int) -> list[int]:
+        """The context a token at ``end`` sees, read from the pages, checked
+        against the sequence's tokens in every group."""
+        expected = np.asarray(seq.tokens[:end], np.int64)
+        for g, window in enumerate(self.windows):
+            first = 0 if window is None else max(0, end - window)
+            positions = np.arange(first, end)
+            pages = self._pages(seq, g, positions)
+            held = self.pool[pages, positions % self.layout.block_size]
+            wrong = np.flatnonzero(held != expected[first:end])
+            if len(wrong):
+                at = int(positions[wrong[0]])
+                raise CorruptKV(
+                    f"sequence {seq.seq_id}, group {g}: page {int(pages[wrong[0]])} holds "
+                    f"{int(held[wrong[0]])} at position {at}, not {int(expected[at])}"
+                )
+        return seq.tokens[:end]
+
+    def copy_out(self, pages: list[int]) -> Array:
+        return self.pool[pages].copy()
+
+    def copy_in(self, pages: list[int], data: Array) -> None:
+        self.pool[pages] = data
+
+    def barrier(self) -> None:
+        pass

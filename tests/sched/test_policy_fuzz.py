@@ -1,0 +1,312 @@
+"""The scheduler's policy under random traffic and live admin changes, on the
+simulated executor (no JAX): every step keeps the pool whole and every output
+exact; reclaiming never pushes a tenant under its reservation; once the
+configuration is sane again, everything finishes (no wedge)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvd.sched.scheduler as scheduler_module
+from kvd.engine.sampling_params import SamplingParams
+from kvd.kv.eviction import plan_eviction
+from kvd.kv.ledger import BudgetError, BudgetMode
+from kvd.kv.scope import SharingPolicy
+from kvd.sched.costmodel import Rates
+from kvd.sched.requests import Rejection, RequestState
+from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
+from kvd.sched.simulated import expected_output
+from tests.sched.simulated import STOP_IDS, make_executor
+
+TENANTS = ("a", "b", "c", "d")
+TIERS = ("interactive", "batch")
+DRAIN_STEPS = 3000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CheckedScheduler(Scheduler):
+    """Checks, at each preemption made to reclaim another tenant's surplus,
+    that the victim's tenant keeps at least its reservation."""
+
+    reclaiming_for: str | None = None
+    checked_reclaims = 0
+
+    def _preempt(self, request: Any, plan: Any) -> None:
+        super()._preempt(request, plan)
+        if self.reclaiming_for is not None and request.tenant != self.reclaiming_for:
+            account = self.kv.ledger.accounts[request.tenant]
+            assert account.used >= account.reservation, (request.tenant, account)
+            self.checked_reclaims += 1
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    @initialize(
+        preemption=st.sampled_from(["auto", "recompute", "swap"]),
+        swap_cheap=st.booleans(),
+        swap_pages=st.sampled_from([None, 0, 12, 40]),
+        target_ms=st.sampled_from([None, 5.0, 50.0]),
+    )
+    def start(
+        self, preemption: str, swap_cheap: bool, swap_pages: int | None, target_ms: float | None
+    ) -> None:
+        self.executor = make_executor(pages=48)  # two long requests fill it
+        self.clock = Clock()
+        # Rates in made-up seconds: either kind can be the cheaper one.
+        rates = Rates(
+            prefill_fixed_s=0.001,
+            prefill_s_per_token=0.001,
+            copy_fixed_s=0.0001 if swap_cheap else 0.05,
+            copy_s_per_page=0.0001 if swap_cheap else 0.01,
+            page_bytes=self.executor.layout.page_bytes,
+            pages_per_token=0.25,
+            attention_s_per_pair=1e-6,
+            chunk_tokens=self.executor.limits.max_num_batched_tokens,
+            token_buckets=self.executor.limits.token_buckets,
+        )
+        config = SchedulerConfig(
+            tiers=TIERS,
+            mode=BudgetMode.RESERVE,
+            preemption=preemption,
+            target_step_ms=target_ms,
+            swap_pages=swap_pages,
+        )
+        self.scheduler = CheckedScheduler(self.executor, config, rates=rates, clock=self.clock)
+        self.capacity = self.scheduler.kv.ledger.capacity
+        for name in TENANTS[:2]:
+            self.scheduler.set_tenant(TenantConfig(name, max_queue=8))
+        self.serial = 0
+        self.expected: dict[str, tuple[list[int], str]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.done: dict[str, str] = {}
+        self.steps = 0
+        _current[0] = self.scheduler
+
+    # -- traffic -----------------------------------------------------------------
+
+    @rule(
+        data=st.data(),
+        length=st.integers(1, 40),
+        max_tokens=st.integers(1, 24),
+        shared_start=st.booleans(),
+        sample=st.booleans(),
+        salt=st.sampled_from([None, None, "s1"]),
+        deadline=st.sampled_from([None, None, 0.5, 3.0]),
+        burst=st.integers(1, 4),
+    )
+    def submit(
+        self,
+        data: st.DataObject,
+        burst: int,
+        length: int,
+        max_tokens: int,
+        shared_start: bool,
+        sample: bool,
+        salt: str | None,
+        deadline: float | None,
+    ) -> None:
+        for _ in range(burst):
+            tenant = data.draw(st.sampled_from(sorted(self.scheduler.tenants)), "tenant")
+            tier = data.draw(st.sampled_from([None, *TIERS]), "tier")
+            self._submit(tenant, tier, length, max_tokens, shared_start, sample, salt, deadline)
+
+    def _submit(
+        self,
+        tenant: str,
+        tier: str | None,
+        length: int,
+        max_tokens: int,
+        shared_start: bool,
+        sample: bool,
+        salt: str | None,
+        deadline: float | None,
+    ) -> None:
+        self.serial += 1
+        length = max(1, length - self.serial % 7)
+        head = [5, 6, 7, 8, 9, 10, 11, 12] if shared_start else []
+        prompt = (head + [(self.serial * 13 + i * 7) % 40 + 2 for i in range(length)])[:40]
+        params = SamplingParams(
+            temperature=0.7 if sample else 0.0, seed=self.serial, max_tokens=max_tokens
+        )
+        request_id = f"r{self.serial}"
+        try:
+            self.scheduler.submit(
+                request_id, tenant, prompt, params, tier=tier, deadline_s=deadline, cache_salt=salt
+            )
+        except Rejection as exc:
+            assert exc.status in (413, 429), exc
+            return
+        limits = self.executor.limits
+        self.expected[request_id] = expected_output(prompt, params, limits, STOP_IDS)
+        self.outputs[request_id] = []
+
+    @rule(count=st.integers(1, 4))
+    def step(self, count: int) -> None:
+        for _ in range(count):
+            self._one_step()
+
+    def _one_step(self) -> None:
+        scheduler = self.scheduler
+        events = scheduler.step()
+        self.steps += 1
+        self.clock.now += 0.1
+        for event in events:
+            if event.token is not None:
+                out = self.outputs[event.request_id]
+                out.append(event.token)
+                want = self.expected[event.request_id][0]
+                assert out == want[: len(out)], (event.request_id, out, want)
+            if event.finished:
+                self.done[event.request_id] = event.finish_reason or ""
+                if event.finish_reason in ("stop", "length"):
+                    want_tokens, want_reason = self.expected[event.request_id]
+                    assert self.outputs[event.request_id] == want_tokens
+                    assert event.finish_reason == want_reason
+
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        live = sorted(self.scheduler.requests)
+        if live:
+            request_id = data.draw(st.sampled_from(live), "request")
+            assert self.scheduler.cancel(request_id)
+            self.done[request_id] = "cancelled"
+
+    @rule(seconds=st.sampled_from([0.5, 2.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.now += seconds
+
+    # -- admin changes -------------------------------------------------------------
+
+    @rule(
+        data=st.data(),
+        reservation=st.integers(0, 40),
+        cap=st.sampled_from([None, 20, 60]),
+        weight=st.sampled_from([1.0, 2.0]),
+        tier=st.sampled_from(TIERS),
+        swap=st.sampled_from([None, 4, 30]),
+    )
+    def set_tenant(
+        self,
+        data: st.DataObject,
+        reservation: int,
+        cap: int | None,
+        weight: float,
+        tier: str,
+        swap: int | None,
+    ) -> None:
+        name = data.draw(st.sampled_from(TENANTS), "tenant")
+        if cap is not None:
+            cap = max(cap, reservation)
+        config = TenantConfig(
+            name,
+            reservation_pages=reservation,
+            cap_pages=cap,
+            tier=tier,
+            weight=weight,
+            max_queue=8,
+            swap_pages=swap,
+        )
+        # Reservations the pool cannot hold are refused, changing nothing.
+        with contextlib.suppress(BudgetError):
+            self.scheduler.set_tenant(config)
+
+    @rule(data=st.data())
+    def remove_tenant(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.scheduler.tenants)), "tenant")
+        if len(self.scheduler.tenants) < 2:
+            return
+        try:
+            self.scheduler.remove_tenant(name)
+        except ValueError:
+            assert self.scheduler.live_requests(name)
+
+    @rule(mode=st.sampled_from(BudgetMode))
+    def set_mode(self, mode: BudgetMode) -> None:
+        self.scheduler.kv.set_mode(mode)
+
+    @rule(policy=st.sampled_from(SharingPolicy))
+    def set_policy(self, policy: SharingPolicy) -> None:
+        self.scheduler.kv.set_policy(policy)
+
+    @precondition(lambda self: "head" not in self.scheduler.kv.public)
+    @rule()
+    def add_prefix(self) -> None:
+        with contextlib.suppress(ValueError):  # it would break the reservations
+            self.scheduler.kv.add_public_prefix("head", [5, 6, 7, 8, 9, 10, 11, 12])
+
+    @precondition(lambda self: "head" in self.scheduler.kv.public)
+    @rule()
+    def remove_prefix(self) -> None:
+        self.scheduler.kv.remove_public_prefix("head")
+
+    # -- properties ------------------------------------------------------------------
+
+    @invariant()
+    def pool_is_whole(self) -> None:
+        scheduler = self.scheduler
+        kv = scheduler.kv
+        kv.check_invariants()
+        held = {p for r in scheduler.requests.values() if r.seq for p in r.seq.held_pages()}
+        assert kv.pool.num_referenced() == len(held)
+        host = sum(len(r.host_pages[0]) for r in scheduler.swapped.values() if r.host_pages)
+        assert scheduler.swap_space.held == host
+        if scheduler.config.swap_pages is not None:
+            assert host <= scheduler.config.swap_pages
+        for request in scheduler.requests.values():
+            assert request.state is not RequestState.FINISHED
+
+    def teardown(self) -> None:
+        if not hasattr(self, "scheduler"):
+            return
+        scheduler = self.scheduler
+        # A sane configuration again: no reservation, no cap, room to reserve.
+        scheduler.kv.set_mode(BudgetMode.RESERVE)
+        for name, tenant in list(scheduler.tenants.items()):
+            scheduler.set_tenant(TenantConfig(name, tier=tenant.tier, max_queue=8))
+        for _ in range(DRAIN_STEPS):
+            if not scheduler.has_work():
+                break
+            self._one_step()
+        assert not scheduler.has_work(), [
+            (r.request_id, r.state, r.tenant) for r in scheduler.requests.values()
+        ]
+        for request_id in self.expected:
+            assert request_id in self.done, request_id
+        scheduler.kv.check_invariants()
+        assert scheduler.kv.pool.num_referenced() == 0
+        assert scheduler.swap_space.held == 0
+
+
+def _watch_reclaims(kv: Any, requester: Any, demand: Any, hit: Any = None) -> Any:
+    plan = plan_eviction(kv, requester, demand, hit)
+    scheduler = _current[0]
+    if scheduler is not None:
+        reclaiming = plan is not None and plan.reason == "reclaim-surplus"
+        scheduler.reclaiming_for = requester.tenant if reclaiming else None
+    return plan
+
+
+_current: list[Any] = [None]
+
+
+def test_policy_fuzz(monkeypatch: Any) -> None:
+    monkeypatch.setattr(scheduler_module, "plan_eviction", _watch_reclaims)
+    case = PolicyMachine.TestCase
+    case.settings = settings(
+        max_examples=200,
+        stateful_step_count=100,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    case().runTest()
