@@ -10,40 +10,20 @@ fit is recomputed.
 
 from __future__ import annotations
 
-from kvd.kv.manager import KVManager
+from kvd.kv.eviction import plan_eviction
+from kvd.kv.manager import KVManager, PrefixHit
 from kvd.kv.sequence import Sequence
+from kvd.sched.admission import Admission
 from kvd.sched.costmodel import Rates
+from kvd.sched.requests import (
+    Request,
+    RequestState,
+)
+from kvd.sched.stepplan import StepPlan
+from kvd.sched.swapspace import SwapSpace
 
 RECOMPUTE = "recompute"
 SWAP = "swap"
-
-
-class SwapSpace:
-    """Host pages held by swapped-out sequences, per tenant."""
-
-    def __init__(self, total: int | None = None) -> None:
-        self.total = total  # None: unbounded
-        self.used: dict[str, int] = {}
-        self.held = 0
-
-    def fits(self, tenant: str, pages: int, tenant_limit: int | None) -> bool:
-        if self.total is not None and self.held + pages > self.total:
-            return False
-        return tenant_limit is None or self.used.get(tenant, 0) + pages <= tenant_limit
-
-    def take(self, tenant: str, pages: int) -> None:
-        self.used[tenant] = self.used.get(tenant, 0) + pages
-        self.held += pages
-
-    def give(self, tenant: str, pages: int) -> None:
-        left = self.used.get(tenant, 0) - pages
-        if left < 0 or self.held < pages:
-            raise RuntimeError(f"swap space: {tenant!r} gives back more pages than it holds")
-        if left:
-            self.used[tenant] = left
-        else:
-            self.used.pop(tenant, None)
-        self.held -= pages
 
 
 def preemption_kind(
@@ -66,3 +46,119 @@ def preemption_kind(
         return SWAP if mode == SWAP else RECOMPUTE
     recompute = rates.recompute_s(seq.num_computed, kv.shared_prefix_tokens(seq))
     return SWAP if rates.swap_s(pages) < recompute else RECOMPUTE
+
+
+class Preemption(Admission):
+    """Growing a request's sequence (evicting per policy when it must), and
+    preempting and swapping back in."""
+
+    def _grow(self, request: Request, n: int, hit: PrefixHit | None, plan: StepPlan) -> int:
+        """Pages for up to ``n`` more tokens (after ``hit``, for a waiting
+        request); returns how many it got (0: none, and it waits).
+
+        The one way a sequence grows: in place when its last block has room;
+        otherwise as much of ``n`` as the idle pages and the tenant's budget
+        allow; only when not one block fits, by evicting per policy. A running
+        sequence that cannot grow at all yields (is preempted), as in vLLM.
+        """
+        seq = request.seq
+        assert seq is not None
+        kv = self.kv
+        if hit is None and kv.extend_in_place(seq, n):
+            return n
+        demand = kv.try_allocate(seq, n, hit)
+        if demand is None:
+            return n
+        fit = self._most_that_fits(seq, n, hit)
+        if fit:
+            kv.allocate(seq, fit, hit)
+            return fit
+        evict = plan_eviction(kv, seq, demand, hit)
+        if evict is None:
+            if request.state is RequestState.RUNNING:
+                self._preempt(request, plan)  # it cannot grow: it yields
+            return 0
+        for victim in evict.victims:
+            self._preempt(self._by_seq(victim.seq_id), plan)
+        if hit is not None and hit.epoch != kv.pool.evictions:
+            return 0  # the victims' pages evicted what the hit was made of: next step
+        n = self._most_that_fits(seq, n, hit, whole=True)
+        if n:
+            kv.allocate(seq, n, hit)
+        return n
+
+    def _most_that_fits(
+        self, seq: Sequence, n: int, hit: PrefixHit | None, whole: bool = False
+    ) -> int:
+        """The most of ``n`` tokens (``whole``: all of them or none) that the idle
+        pages and the tenant's budget allow now, without evicting anyone."""
+        kv = self.kv
+        if kv.can_allocate(seq, n, hit):
+            return n
+        if whole:
+            return 0
+        low, high = 0, n  # low fits (0 always does), high does not
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if kv.can_allocate(seq, mid, hit) else (low, mid)
+        return low
+
+    def preemption_kind(self, seq: Sequence) -> str:
+        tenant = self.tenants.get(seq.tenant)
+        return preemption_kind(
+            self.config.preemption,
+            self.rates,
+            self.kv,
+            seq,
+            self.swap_space,
+            tenant.swap_pages if tenant else None,
+        )
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        seq = request.seq
+        assert seq is not None
+        plan.remove(request)
+        kind = self.preemption_kind(seq)
+        stats = self.tenant_stats[request.tenant]
+        self._remove_running(request)
+        request.preemptions += 1
+        self.preemptions += 1
+        self.preemption_log.append((request.request_id, request.tenant, kind))
+        if kind == SWAP:
+            copies = self.kv.begin_swap_out(seq)
+            data = self.executor.copy_out([c.page for c in copies])
+            self.kv.finish_swap_out(seq)
+            self.swap_space.take(request.tenant, len(copies))
+            request.host_pages = ([(c.group, c.block) for c in copies], data)
+            request.state = RequestState.SWAPPED
+            self.swapped[request.request_id] = request
+            stats.preempted_swap += 1
+            return
+        self.kv.release(seq)  # recompute: tokens kept, pages dropped
+        request.state = RequestState.WAITING
+        self.queues[request.tenant].appendleft(request)
+        stats.preempted_recompute += 1
+
+    def _swap_in(self, request: Request, plan: StepPlan) -> None:
+        seq = request.seq
+        assert seq is not None and request.host_pages is not None
+        if len(plan.work) >= plan.max_seqs or not self.kv.can_swap_in(seq):
+            return
+        blocks, data = request.host_pages
+        rows = {key: i for i, key in enumerate(blocks)}
+        copies = self.kv.swap_in(seq)
+        self.executor.copy_in(
+            [c.page for c in copies], data[[rows[(c.group, c.block)] for c in copies]]
+        )
+        self.swap_space.give(request.tenant, len(blocks))
+        if self.rates is not None:
+            plan.add_copy(self.rates.swap_s(len(blocks)) / 2)
+        request.host_pages = None
+        request.state = RequestState.RUNNING
+        del self.swapped[request.request_id]
+        self._add_running(request)
+        n = plan.room(seq.num_computed, len(seq.tokens) - seq.num_computed)
+        if n > 0:
+            granted = self._grow(request, n, None, plan)
+            if granted:
+                plan.add(request, granted, seq.num_computed)

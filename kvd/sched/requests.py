@@ -139,3 +139,30 @@ class StepEvent(msgspec.Struct, frozen=True):
     logprob: float
     finished: bool
     finish_reason: str | None = None
+
+
+class SlotInfo:
+    """Per KV slot, what token handling needs of the request whose sequence holds
+    it: a step reads these for all its sequences as arrays, not from 256
+    request objects."""
+
+    def __init__(self) -> None:
+        self.last_token_at = np.full(0, np.nan)  # NaN: no token yet
+        self.stop_length = np.zeros(0, np.int64)  # the sequence ends at this length
+        self.tenant = np.zeros(0, np.int64)  # index into Scheduler.tenant_names
+
+    def start(self, slot: int, capacity: int, stop_length: int, tenant: int) -> None:
+        """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
+        if len(self.stop_length) < capacity:
+            self._grow(capacity)
+        self.last_token_at[slot] = np.nan
+        self.stop_length[slot] = stop_length
+        self.tenant[slot] = tenant
+
+    def _grow(self, capacity: int) -> None:
+        old = len(self.stop_length)
+        for name, fill in (("last_token_at", np.nan), ("stop_length", 0), ("tenant", 0)):
+            column = getattr(self, name)
+            grown = np.full(capacity, fill, column.dtype)
+            grown[:old] = column
+            setattr(self, name, grown)

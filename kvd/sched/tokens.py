@@ -9,35 +9,11 @@ from typing import Any
 import numpy as np
 
 from kvd.kv.columns import COMPUTED, LENGTH
+from kvd.kv.sequence import Sequence
+from kvd.sched.preemption import Preemption
+from kvd.sched.requests import Request, StepEvent, StepWork
 
 Array = np.ndarray[Any, Any]
-
-
-class SlotInfo:
-    """Per KV slot, what token handling needs of the request whose sequence holds
-    it: a step reads these for all its sequences as arrays, not from 256
-    request objects."""
-
-    def __init__(self) -> None:
-        self.last_token_at = np.full(0, np.nan)  # NaN: no token yet
-        self.stop_length = np.zeros(0, np.int64)  # the sequence ends at this length
-        self.tenant = np.zeros(0, np.int64)  # index into Scheduler.tenant_names
-
-    def start(self, slot: int, capacity: int, stop_length: int, tenant: int) -> None:
-        """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
-        if len(self.stop_length) < capacity:
-            self._grow(capacity)
-        self.last_token_at[slot] = np.nan
-        self.stop_length[slot] = stop_length
-        self.tenant[slot] = tenant
-
-    def _grow(self, capacity: int) -> None:
-        old = len(self.stop_length)
-        for name, fill in (("last_token_at", np.nan), ("stop_length", 0), ("tenant", 0)):
-            column = getattr(self, name)
-            grown = np.full(capacity, fill, column.dtype)
-            grown[:old] = column
-            setattr(self, name, grown)
 
 
 class Outcome:
@@ -87,3 +63,75 @@ def outcome(
     by_stop = stopped | is_stop[tokens]
     finished = by_stop | (length >= stop_length[slots] - 1)  # with this token
     return Outcome(keep, slots, length, tokens, logprobs, finished, by_stop)
+
+
+class TokenHandling(Preemption):
+    """A step's sampled tokens become events, finished requests end, and
+    fair share and latency are charged, as array operations over the batch."""
+
+    def _record_tokens(
+        self,
+        work: StepWork,
+        seqs: list[Sequence],
+        slots: np.ndarray[Any, Any],
+        block: np.ndarray[Any, Any],
+        tokens: np.ndarray[Any, Any],
+        logprobs: np.ndarray[Any, Any],
+        stopped: np.ndarray[Any, Any],
+        events: list[StepEvent],
+    ) -> None:
+        """Turn one step's sampled tokens into events, as array operations over
+        the batch (this runs for every running sequence every step). ``block``
+        holds the sequences' columns from before the step."""
+        now = self.clock()
+        info = self._slot_info
+        out = outcome(
+            work.counts, slots, block, tokens, logprobs, stopped, self._is_stop, info.stop_length
+        )
+        requests = work.requests
+        if out.keep is not None:
+            keep = out.keep.tolist()
+            requests = [requests[i] for i in keep]
+            seqs = [seqs[i] for i in keep]
+        if not requests:
+            return
+        slots, finished, by_stop = out.slots, out.finished, out.by_stop
+        self._observe_latency(requests, slots, now)
+        token_list = out.tokens.tolist()
+        # A last token too: it is part of the output.
+        self.kv.append_decoded(seqs, token_list, slots, out.length)
+        reasons: list[str | None] = [None] * len(requests)
+        ends = np.flatnonzero(finished).tolist()
+        for i in ends:
+            reasons[i] = "stop" if by_stop[i] else "length"
+        events += map(
+            StepEvent,
+            [r.request_id for r in requests],
+            token_list,
+            out.logprobs.tolist(),
+            finished.tolist(),
+            reasons,
+        )
+        for i in ends:
+            self._finish(requests[i], reasons[i])  # type: ignore[arg-type]
+        served = np.bincount(info.tenant[slots])
+        for index in np.flatnonzero(served).tolist():
+            tenant, count = self.tenant_names[index], int(served[index])
+            self.counters.charge(tenant, output_tokens=count)  # fair share, once per tenant
+            self.tenant_stats[tenant].completion_tokens += count
+
+    def _observe_latency(
+        self, requests: list[Request], slots: np.ndarray[Any, Any], now: float
+    ) -> None:
+        """Time to first token and inter-token gaps, kept per sequence slot."""
+        last_token_at = self._slot_info.last_token_at
+        last = last_token_at[slots]
+        first = np.isnan(last)
+        if first.any():
+            for i in np.flatnonzero(first).tolist():
+                request = requests[i]
+                request.first_token_at = now
+                self._ttft.append(now - request.arrival)
+            last = last[~first]
+        self._itl += (now - last).tolist()
+        last_token_at[slots] = now

@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import kvd.sched.scheduler as scheduler_module
+import kvd.sched.preemption as preemption_module
 from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.eviction import plan_eviction
 from kvd.kv.ledger import BudgetError, BudgetMode
@@ -301,7 +301,7 @@ _current: list[Any] = [None]
 
 
 def test_policy_fuzz(monkeypatch: Any) -> None:
-    monkeypatch.setattr(scheduler_module, "plan_eviction", _watch_reclaims)
+    monkeypatch.setattr(preemption_module, "plan_eviction", _watch_reclaims)
     case = PolicyMachine.TestCase
     case.settings = settings(
         max_examples=200,

@@ -1,0 +1,240 @@
+"""Growing a sequence: what an allocation would take (``demand``), whether it
+fits the idle pages and the tenant's budget, and taking the pages, with the
+fast paths a decode step uses (a slot in the last block; a new block for every
+decode at once when nobody competes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvd.kv.columns import (
+    ALLOCATED,
+    BLOCKS,
+    COMPUTED,
+    LENGTH,
+    RESIDENT,
+)
+from kvd.kv.prefix import PrefixCache
+from kvd.kv.records import Demand, KVError, PrefixHit
+from kvd.kv.sequence import KVState, Sequence
+
+
+class Allocation(PrefixCache):
+    def demand(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> Demand:
+        """What ``allocate(seq, num_tokens, hit)`` would take; changes nothing."""
+        computed, blocks = self._start_point(seq, num_tokens, hit)
+        needed_blocks = -(-(computed + num_tokens) // self.block_size)
+        fresh = max(0, needed_blocks - blocks) * self.num_groups
+        reused = charged = 0
+        if hit is not None:
+            holders, public = self.pool.holders, self.pool.public
+            for table in hit.pages:
+                for page in table:
+                    if page and holders[page] is None:
+                        reused += 1
+                        charged += not public[page]
+        return Demand(fresh, reused, fresh + charged)
+
+    def _start_point(
+        self, seq: Sequence, num_tokens: int, hit: PrefixHit | None
+    ) -> tuple[int, int]:
+        self._own(seq)
+        if num_tokens < 1:
+            raise KVError("allocate at least one token")
+        if seq.state is KVState.WAITING:
+            computed = hit.num_tokens if hit is not None else 0
+            blocks = hit.num_blocks if hit is not None else 0
+        elif seq.state is KVState.RESIDENT:
+            if hit is not None:
+                raise KVError("a prefix hit applies only to a waiting sequence")
+            computed, blocks = seq.num_computed, seq.num_blocks
+        else:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}")
+        if computed + num_tokens > len(seq.tokens):
+            raise KVError(
+                f"sequence {seq.seq_id} has {len(seq.tokens)} tokens; cannot compute "
+                f"{num_tokens} more after {computed}"
+            )
+        return computed, blocks
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        demand = self.demand(seq, num_tokens, hit)
+        return self.fits(seq.tenant, demand)
+
+    def fits(self, tenant: str, demand: Demand) -> bool:
+        """Idle pages suffice, and new charges (if any) stay within the budget.
+
+        A tenant over its budget (after a live cut) may still fill the blocks
+        it holds: only new charges are refused.
+        """
+        return demand.idle_pages <= self.pool.num_idle() and (
+            demand.charges == 0 or demand.charges <= self.ledger.headroom(tenant)
+        )
+
+    def extend_in_place(self, seq: Sequence, num_tokens: int) -> bool:
+        """The decode fast path: slots for ``num_tokens`` more tokens of a resident
+        sequence when its last block has room (no page, no budget involved).
+        False means the caller needs the full ``demand`` / ``allocate`` path."""
+        new = seq.num_computed + num_tokens
+        if (
+            seq.state is KVState.RESIDENT
+            and num_tokens >= 1
+            and new <= seq.num_blocks * self.block_size
+            and new <= len(seq.tokens)
+            and self.sequences.get(seq.seq_id) is seq
+        ):
+            seq.num_allocated = new
+            return True
+        return False
+
+    def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:
+        """Reference pages for the next ``num_tokens`` tokens (after ``hit``, if any).
+
+        Raises KVError, changing nothing, if the pages or the budget are not there.
+        """
+        refused = self.try_allocate(seq, num_tokens, hit)
+        if refused is not None:
+            raise KVError(
+                f"cannot allocate {refused.idle_pages} pages for tenant {seq.tenant!r}: "
+                f"{self.pool.num_idle()} idle, headroom {self.ledger.headroom(seq.tenant)}"
+            )
+
+    def try_allocate(
+        self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None
+    ) -> Demand | None:
+        """``allocate`` if the pages and the budget are there (None); otherwise
+        change nothing and return the demand that did not fit, for an eviction plan."""
+        if hit is None and seq.state is KVState.RESIDENT:
+            return self._grow(seq, num_tokens)
+        demand = self.demand(seq, num_tokens, hit)
+        if hit is not None:
+            if hit.seq_id != seq.seq_id:
+                raise KVError(f"prefix hit of sequence {hit.seq_id} given for {seq.seq_id}")
+            if hit.epoch != self.pool.evictions or hit.generation != self.generation:
+                raise KVError("stale prefix hit: the cache or sharing changed since the lookup")
+        if not self.fits(seq.tenant, demand):
+            return demand
+        if seq.state is KVState.WAITING:
+            self._start(seq, hit)
+        needed = -(-(seq.num_computed + num_tokens) // self.block_size) - seq.num_blocks
+        if needed > 0:
+            pages = self.pool.take(seq.tenant, needed * self.num_groups)
+            for g, table in enumerate(seq.tables):
+                table += pages[g * needed : (g + 1) * needed]
+            seq.num_blocks += needed
+            seq.table_version = next(self._stamps)
+        seq.num_allocated = seq.num_computed + num_tokens
+        return None
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> Demand | None:
+        """``try_allocate`` for a resident sequence: fresh pages only, no hit.
+        (A decode crossing into a new block comes here; it is 1 in 16 of them.)"""
+        self._own(seq)
+        new = seq.num_computed + num_tokens
+        if num_tokens < 1 or new > len(seq.tokens):
+            raise KVError(
+                f"sequence {seq.seq_id} has {len(seq.tokens)} tokens; cannot compute "
+                f"{num_tokens} more after {seq.num_computed}"
+            )
+        needed = -(-new // self.block_size) - seq.num_blocks
+        if needed > 0:
+            fresh = needed * self.num_groups
+            if fresh > self.pool.num_idle() or fresh > self.ledger.headroom(seq.tenant):
+                return Demand(fresh, 0, fresh)
+            pages = self.pool.take(seq.tenant, fresh)
+            for g, table in enumerate(seq.tables):
+                table += pages[g * needed : (g + 1) * needed]
+            seq.num_blocks += needed
+            seq.table_version = next(self._stamps)
+        seq.num_allocated = new
+        return None
+
+    def _start(self, seq: Sequence, hit: PrefixHit | None) -> None:
+        if seq.scope is None:
+            self._ensure_scope(seq)
+        seq.state = KVState.RESIDENT
+        # The hit rate counts each request once, as its own cached_tokens does:
+        # a preempted sequence re-finding its own blocks is not a prefix hit.
+        first = seq.starts == 0
+        seq.starts += 1
+        if first:
+            self.prefix_query_tokens += len(seq.tokens)
+        if hit is None or hit.num_blocks == 0:
+            seq.cached_tokens = 0
+            return
+        touch, tenant = self.pool.touch, seq.tenant
+        for table, pages in zip(seq.tables, hit.pages, strict=True):
+            for page in pages:
+                if page:
+                    touch(page, tenant)
+            table += pages
+        seq.num_blocks = hit.num_blocks
+        seq.table_version = next(self._stamps)
+        seq.num_computed = seq.num_allocated = seq.cached_tokens = hit.num_tokens
+        seq.sliding_start = hit.sliding_start
+        seq.registered = hit.num_blocks
+        if not first:
+            return
+        self.prefix_hit_tokens += hit.num_tokens
+        name = hit.scope.public_prefix
+        if name is not None and name in self.public:
+            served = min(hit.num_blocks, hit.scope.public_blocks) * self.block_size
+            self.public.hits[name] += served
+
+    def extend_decodes(
+        self, seqs: list[Sequence], slots: np.ndarray[Any, Any] | None = None
+    ) -> list[int]:
+        """Slots for one more token of every sequence that is one token from
+        done (a decode), without the general allocation path; returns the
+        indices of the sequences left for that path.
+
+        Decodes whose slot lies in a block they hold always get it. Decodes
+        whose next token starts a new block get one each only if all the
+        others are such decodes and the idle pages and every tenant's budget
+        suffice for all of them: then nothing competes for the pages, and no
+        order among them could change the outcome. Otherwise they are left,
+        with the rest, to the caller's ordered path (priority, eviction).
+        """
+        if not seqs:
+            return []
+        if slots is None:
+            slots = self.slots_of(seqs)
+        block = self.columns.matrix[:, slots]
+        computed = block[COMPUTED]
+        decode = (block[RESIDENT] == 1) & (block[LENGTH] == computed + 1)
+        capacity = block[BLOCKS] * self.block_size
+        fits = decode & (computed < capacity)
+        left = np.flatnonzero(~fits)
+        all_at_boundary = bool((decode[left] & (computed[left] == capacity[left])).all())
+        if len(left) and all_at_boundary and self._grow_by_one_block([seqs[i] for i in left]):
+            fits[left] = True
+            left = left[:0]
+        matrix = self.columns.matrix
+        matrix[ALLOCATED, slots] = np.where(fits, computed + 1, block[ALLOCATED])
+        return left.tolist()  # type: ignore[no-any-return]
+
+    def _grow_by_one_block(self, seqs: list[Sequence]) -> bool:
+        """A new block for each of ``seqs``, if the idle pages and every tenant's
+        budget allow all of them; otherwise change nothing and return False."""
+        groups = self.num_groups
+        per_tenant: dict[str, int] = {}
+        for seq in seqs:
+            per_tenant[seq.tenant] = per_tenant.get(seq.tenant, 0) + groups
+        if len(seqs) * groups > self.pool.num_idle() or any(
+            pages > self.ledger.headroom(tenant) for tenant, pages in per_tenant.items()
+        ):
+            return False
+        take, edits = self.pool.take, self.table_edits
+        for seq in seqs:
+            block = seq.num_blocks
+            pages = take(seq.tenant, groups)
+            for g, (table, page) in enumerate(zip(seq.tables, pages, strict=True)):
+                table.append(page)
+                if edits is not None:
+                    edits.append((seq.slot, g, block, page))
+            seq.num_blocks = block + 1
+            if edits is None:
+                seq.table_version = next(self._stamps)
+        return True

@@ -1,0 +1,170 @@
+"""After a step: computed tokens committed (full blocks cached, sliding
+windows releasing what no future query sees), and sequences letting go of
+their pages (a recompute's release, or the end)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvd.kv.allocation import Allocation
+from kvd.kv.columns import (
+    ALLOCATED,
+    COMPUTED,
+    RESIDENT,
+    SLIDING_START,
+)
+from kvd.kv.pool import NULL_PAGE
+from kvd.kv.records import KVError
+from kvd.kv.sequence import KVState, Sequence
+
+
+class Commit(Allocation):
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """The engine wrote K/V for the next ``num_tokens`` tokens.
+
+        Newly full blocks enter the prefix cache; sliding groups release the
+        blocks no future query can see.
+        """
+        self._own(seq)
+        if seq.state is not KVState.RESIDENT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
+        old = seq.num_computed
+        new = old + num_tokens
+        if num_tokens < 1 or new > seq.num_allocated:
+            raise KVError(f"cannot commit {num_tokens} tokens to sequence {seq.seq_id}")
+        seq.num_computed = new
+        bs = self.block_size
+        if new // bs > seq.registered:
+            self._register_blocks(seq, seq.registered, new // bs)
+        if self.window is not None and new - self.window + 1 >= (seq.sliding_start + 1) * bs:
+            self._slide(seq, self.first_needed_block(new))
+
+    def commit_batch(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        slots: np.ndarray[Any, Any] | None = None,
+    ) -> None:
+        """``commit`` for a whole step: ``counts[i]`` tokens of ``seqs[i]``
+        (``slots``: their ``slots_of``, if the caller has it from this step).
+
+        The counters move as arrays; only the sequences that fill a block or
+        move their window past one do Python work. All or nothing: a bad entry
+        raises before anything changes.
+        """
+        if not seqs:
+            return
+        if slots is None:
+            slots = self.slots_of(seqs)
+        block = self.columns.matrix[:, slots]
+        counts_array = np.asarray(counts, np.int64)
+        old = block[COMPUTED]
+        new = old + counts_array
+        bad = (block[RESIDENT] != 1) | (counts_array < 1) | (new > block[ALLOCATED])
+        if bad.any() or len(set(slots.tolist())) != len(seqs):
+            for seq, count in zip(seqs, counts, strict=True):  # the precise error
+                if seq.state is not KVState.RESIDENT:
+                    raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
+                if count < 1 or seq.num_computed + count > seq.num_allocated:
+                    raise KVError(f"cannot commit {count} tokens to sequence {seq.seq_id}")
+            raise KVError("a sequence appears twice in one commit")
+        self.columns.matrix[COMPUTED, slots] = new
+        bs = self.block_size
+        for i in np.flatnonzero(new // bs > old // bs).tolist():
+            seq = seqs[i]
+            self._register_blocks(seq, seq.registered, int(new[i]) // bs)
+        self._slide_moved(seqs, block, new)
+
+    def commit_decodes(
+        self, seqs: list[Sequence], slots: np.ndarray[Any, Any], block: np.ndarray[Any, Any]
+    ) -> None:
+        """``commit_batch`` of one token each, for ``seqs`` at ``slots`` whose
+        columns before the step are ``block`` (``columns.matrix[:, slots]``)."""
+        computed = block[COMPUTED]
+        new = computed + 1
+        # Resident (1), with a slot allocated for the token: the product is >= 1.
+        if int(((block[ALLOCATED] - computed) * block[RESIDENT]).min()) < 1 or len(
+            set(slots.tolist())
+        ) != len(seqs):
+            self.commit_batch(seqs, [1] * len(seqs), slots)  # raises the precise error
+            return
+        self.columns.matrix[COMPUTED, slots] = new
+        # The blocks decodes fill enter the prefix cache when the sequence lets go
+        # of its pages (``_drop_all``), as SGLang inserts a request's output when
+        # it finishes: hashing and indexing one block per sequence every
+        # ``block_size`` steps would be a large share of a decode step's host time.
+        self._slide_moved(seqs, block, new)
+
+    def _slide_moved(
+        self, seqs: list[Sequence], block: np.ndarray[Any, Any], new: np.ndarray[Any, Any]
+    ) -> None:
+        """After a batched commit to ``new`` computed tokens (``block``: the
+        columns before it), slide the windows that moved past a block."""
+        if self.window is None:
+            return
+        moved = new - self.window + 1 >= (block[SLIDING_START] + 1) * self.block_size
+        for i in np.flatnonzero(moved).tolist():
+            self._slide(seqs[i], self.first_needed_block(int(new[i])))
+
+    def _slide(self, seq: Sequence, first_needed: int) -> None:
+        drop, tenant, edits = self.pool.drop, seq.tenant, self.table_edits
+        for block in range(first_needed - 1, seq.sliding_start - 1, -1):
+            for g in self.sliding_groups:
+                table = seq.tables[g]
+                page = table[block]
+                if page:
+                    drop(page, tenant)
+                    table[block] = NULL_PAGE
+                    if edits is not None:
+                        edits.append((seq.slot, g, block, NULL_PAGE))
+        seq.sliding_start = first_needed
+        if edits is None:
+            seq.table_version = next(self._stamps)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop every page (preemption by recompute, or the end of a sequence).
+
+        The tokens are kept; the sequence waits to be prefilled again, and its
+        full blocks stay cached, tail first in the LRU, so a re-prefill finds
+        as much of itself as the pool could keep.
+        """
+        self._own(seq)
+        if seq.state is KVState.SWAPPING_OUT:
+            raise KVError("finish a swap-out before releasing the sequence")
+        self._drop_all(seq)
+        seq.num_blocks = 0
+        seq.num_computed = seq.num_allocated = 0
+        seq.sliding_start = 0
+        seq.registered = 0
+        seq.swapped_blocks = None
+        seq.state = KVState.WAITING
+
+    def finish(self, seq: Sequence) -> None:
+        """Release every page and forget the sequence."""
+        self._own(seq)
+        if seq.state is KVState.SWAPPING_OUT:
+            raise KVError("finish a swap-out before removing the sequence")
+        self.release(seq)
+        seq.state = KVState.RELEASED
+        del self.sequences[seq.seq_id]
+        seq.detach()
+
+    def _drop_all(self, seq: Sequence) -> None:
+        self._register_pending(seq)  # what decode steps filled stays findable
+        drop, tenant = self.pool.drop, seq.tenant
+        held_blocks = len(seq.tables[0])  # 0 once swapped out, num_blocks otherwise
+        for block in range(held_blocks - 1, -1, -1):
+            for table in seq.tables:
+                page = table[block]
+                if page:
+                    drop(page, tenant)
+        for table in seq.tables:
+            table.clear()
+        if seq.kept is not None:
+            for group in seq.kept:
+                for page in group.values():
+                    drop(page, tenant)
+            seq.kept = None
+        seq.table_version = next(self._stamps)

@@ -1,0 +1,74 @@
+"""The package's import graph: no circle (a module-level or a deferred
+import alike), and the scheduler and KV core free of JAX."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvd"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    assert "kvd.server.loading" in graph["kvd.server.admin"]
+    # A package's __init__ importing its own modules is not a circle of ideas.
+    for name in graph:
+        if name.count(".") == 1:
+            graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_scheduler_and_kv_core_import_no_jax() -> None:
+    code = (
+        "import sys, kvd.kv, kvd.sched, kvd.sched.scheduler, kvd.sched.batch, "
+        "kvd.sched.simulated, kvd.sched.costmodel; "
+        "assert 'jax' not in sys.modules, 'jax imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
