@@ -332,6 +332,46 @@ def bench_http(
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("flood")
+@click.option("--model", default="gemma3-270m", show_default=True)
+@click.option("--flood-requests", type=click.IntRange(min=1), default=24, show_default=True)
+@click.option(
+    "--flood-words", type=click.IntRange(min=1), default=100, show_default=True,
+    help="Sentences per flood prompt (~15 tokens each).",
+)  # fmt: skip
+@click.option("--interactive", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option(
+    "--target-step-ms", type=FiniteFloat(min=1), default=2000.0, show_default=True,
+    help="scheduler.target_step_ms for the daemon.",
+)  # fmt: skip
+@click.option("--no-target", is_flag=True, help="Run without a step-time target.")
+@click.option("--pool", default="256MiB", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_flood(
+    model: str,
+    flood_requests: int,
+    flood_words: int,
+    interactive: int,
+    target_step_ms: float,
+    no_target: bool,
+    pool: str,
+    as_json: bool,
+) -> None:
+    """Time isolation: a reserved interactive tenant under a batch tenant's flood."""
+    from kvd.bench.flood import render, run_flood_bench
+
+    report = run_flood_bench(
+        model,
+        flood_requests,
+        flood_words,
+        interactive,
+        None if no_target else target_step_ms,
+        pool,
+        log=lambda t: click.echo(t, err=True),
+    )
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 @bench.command("scheduler")
 @click.option("--running", default="64,256,1024", show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)

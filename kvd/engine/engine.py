@@ -244,7 +244,8 @@ class Engine:
         )
         # Swapping: pages gathered to the host and scattered back. Padding a copy
         # costs little, so the page-count buckets grow by 4x (fewer programs).
-        most = max(16, self.layout.pages_for_tokens(cfg.max_model_len))
+        # A sequence mid-prefill holds a chunk past its windows: the most it can hold.
+        most = max(16, self.layout.pages_for_tokens(cfg.max_model_len, cfg.max_num_batched_tokens))
         self.page_buckets = tuple(
             sorted({*(16 * 4**i for i in range(8) if 16 * 4**i < most), most})
         )
@@ -276,6 +277,7 @@ class Engine:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             vocab_size=self.vocab_size,
             token_buckets=self.token_buckets,
+            max_copy_pages=self.page_buckets[-1],
         )
 
     def bind(self, kv: KVManager) -> None:

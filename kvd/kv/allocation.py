@@ -184,7 +184,10 @@ class Allocation(PrefixCache):
             self.public.hits[name] += served
 
     def extend_decodes(
-        self, seqs: list[Sequence], slots: np.ndarray[Any, Any] | None = None
+        self,
+        seqs: list[Sequence],
+        slots: np.ndarray[Any, Any] | None = None,
+        block: np.ndarray[Any, Any] | None = None,
     ) -> list[int]:
         """Slots for one more token of every sequence that is one token from
         done (a decode), without the general allocation path; returns the
@@ -201,7 +204,8 @@ class Allocation(PrefixCache):
             return []
         if slots is None:
             slots = self.slots_of(seqs)
-        block = self.columns.matrix[:, slots]
+        if block is None:
+            block = self.columns.matrix[:, slots]
         computed = block[COMPUTED]
         decode = (block[RESIDENT] == 1) & (block[LENGTH] == computed + 1)
         capacity = block[BLOCKS] * self.block_size

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvd.kv.ledger import TenantBudget
 from kvd.kv.manager import KVManager, PrefixHit
-from kvd.kv.sequence import KVState
+from kvd.kv.sequence import KVState, Sequence
 from kvd.sched.costmodel import Rates, measure_rates
 from kvd.sched.executor import Executor
 from kvd.sched.fairshare import VirtualCounters
@@ -75,7 +75,11 @@ class SchedulerCore:
         self._itl: list[float] = []
         # The running requests of this step and their KV slots, when computed while
         # scheduling (a step of only those decodes needs them again).
-        self._decode_slots: tuple[list[Request], np.ndarray[Any, Any]] = ([], _NO_SLOTS)
+        self._decode_slots: tuple[list[Request], list[Sequence], np.ndarray[Any, Any]] = (
+            [],
+            [],
+            _NO_SLOTS,
+        )
         self._slot_info = SlotInfo()
         self.tenant_names: list[str] = []  # SlotInfo.tenant indexes this
         self._tenant_index: dict[str, int] = {}

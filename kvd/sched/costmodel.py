@@ -159,7 +159,7 @@ def measure_rates(executor: Executor, repeats: int = 3) -> Rates:
         # queries seeing ``big`` more keys each.
         with_context = min(timed_chunk(big, small), timed_chunk(big, small))
         attention = max(0.0, (with_context - prefill[small]) / (small * big))
-    few, many = 1, max(2, min(64, kv.pool.capacity) // 2)
+    few, many = 1, max(2, min(limits.max_copy_pages, kv.pool.capacity) // 2)
     copies: dict[int, float] = {}
     for count in (few, many):
         pages = list(range(1, count + 1))

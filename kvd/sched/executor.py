@@ -29,6 +29,7 @@ class ExecutorLimits(msgspec.Struct, frozen=True):
     max_num_batched_tokens: int  # tokens in one step
     vocab_size: int
     token_buckets: tuple[int, ...] = ()  # a step of T tokens runs as the next bucket >= T
+    max_copy_pages: int = 1 << 30  # pages one copy_out or copy_in may move
 
 
 class ParamsLookup(Protocol):

@@ -24,6 +24,8 @@ Finished and cancelled sequences give their pages back at once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from kvd.kv.columns import COMPUTED, LENGTH
@@ -56,6 +58,7 @@ __all__ = [
 ]
 
 _NO_SLOTS = np.zeros(0, np.int64)
+_NOTHING_SCHEDULED: tuple[list[Request], list[Sequence], np.ndarray[Any, Any]] = ([], [], _NO_SLOTS)
 
 
 class Scheduler(TokenHandling):
@@ -84,22 +87,21 @@ class Scheduler(TokenHandling):
         # freed for: only a change (a cancel, an admin command) or time can help.
         self.stalled = not work and self.preemptions == preempted and not events
         self.last_step_predicted_s = plan.predicted_s()
+        scheduled, seqs, slots = self._decode_slots
+        self._decode_slots = _NOTHING_SCHEDULED
         if not work:
-            self._decode_slots = ([], _NO_SLOTS)
             return events
         requests = work.requests
-        seqs: list[Sequence] = [request.seq for request in requests]  # type: ignore[misc]
-        scheduled, slots = self._decode_slots
         if scheduled != requests:  # more or fewer than the running decodes
+            seqs = [request.seq for request in requests]  # type: ignore[misc]
             slots = self.kv.slots_of(seqs)
-        self._decode_slots = ([], _NO_SLOTS)
         kv = self.kv
         block = kv.columns.matrix[:, slots]  # the step's counters, gathered once
         counts = work.counts
         tokens, logprobs, stopped = self.executor.run(
             seqs, counts, ParamsOf(requests), slots, block
         )
-        if len(counts) == plan.tokens and bool((block[LENGTH] == block[COMPUTED] + 1).all()):
+        if not plan.prefill_tokens:  # decodes alone (commit_decodes checks that they are)
             kv.commit_decodes(seqs, slots, block)
         else:
             kv.commit_batch(seqs, counts, slots)
@@ -116,24 +118,25 @@ class Scheduler(TokenHandling):
         seqs: list[Sequence] = [request.seq for request in order]  # type: ignore[misc]
         slots = kv.slots_of(seqs)
         block = kv.columns.matrix[:, slots]
-        decode = block[LENGTH] == block[COMPUTED] + 1
         if len(order) <= plan.max_seqs and len(order) <= plan.tokens_left:
             # Every running decode fits this step, so priority cannot decide who
             # waits: they are scheduled as one array operation (see
             # KVManager.extend_decodes for when those starting a new block
             # join them); decodes that need pages someone else may want follow
             # by priority, and may preempt by policy.
-            self._decode_slots = (order, slots)  # step() reuses them
-            left = kv.extend_decodes(seqs, slots)
+            self._decode_slots = (order, seqs, slots)  # step() reuses them
+            left = kv.extend_decodes(seqs, slots, block)
             if not left:
                 plan.add_decodes(order, int(block[COMPUTED].sum()))
                 return []
+            decode = block[LENGTH] == block[COMPUTED] + 1
             waiting = set(left)
             fast = [i for i in range(len(order)) if i not in waiting]
             plan.add_decodes([order[i] for i in fast], int(block[COMPUTED][fast].sum()))
             slow = [order[i] for i in left if decode[i]]
             prefilling = [order[i] for i in left if not decode[i]]
         else:
+            decode = block[LENGTH] == block[COMPUTED] + 1
             slow = [r for r, d in zip(order, decode.tolist(), strict=True) if d]
             prefilling = [r for r, d in zip(order, decode.tolist(), strict=True) if not d]
         running = RequestState.RUNNING
