@@ -11,6 +11,7 @@ from kvd.engine.engine import Engine, EngineConfig, EngineError
 from kvd.engine.loader import ModelLoadError, load_model
 from kvd.engine.sampling import SamplingParams
 from kvd.engine.tokenizer import ChatMessage, TokenizerError
+from kvd.sched.admission import prompt_problem
 from kvd.sched.batch import BatchGenerator
 
 
@@ -62,12 +63,10 @@ def generate_once(
     except TokenizerError as exc:
         raise GenerateError(str(exc), exit_code=2) from None
     context = loaded.config.max_position
-    if len(ids) >= context:
-        raise GenerateError(
-            f"the prompt has {len(ids)} tokens; {loaded.config.name}'s context is {context} "
-            "tokens (at least one must be left to generate)",
-            exit_code=2,
-        )
+    # Checked before the engine compiles anything (the scheduler checks again).
+    problem = prompt_problem(ids, loaded.config.vocab_size, context)
+    if problem is not None:
+        raise GenerateError(f"{loaded.config.name}: {problem}", exit_code=2)
     config = EngineConfig(
         dtype=dtype,
         max_model_len=context,

@@ -226,6 +226,7 @@ class SchedulerCore:
                 pages_reserved=account.reservation if account else 0,
                 pages_cap=account.cap if account else None,
                 surplus_pages=kv.ledger.surplus(name) if account else 0,
+                host_swap_pages=self.swap_space.used.get(name, 0),
                 service=self.counters.service.get(name, 0.0),
             )
             tenants[name] = stats

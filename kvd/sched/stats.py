@@ -13,6 +13,7 @@ class TenantStats(msgspec.Struct):
     pages_reserved: int = 0
     pages_cap: int | None = None
     surplus_pages: int = 0
+    host_swap_pages: int = 0  # host pages its swapped-out sequences hold
     service: float = 0.0
     preempted_recompute: int = 0
     preempted_swap: int = 0

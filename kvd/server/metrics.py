@@ -93,6 +93,7 @@ class SchedulerCollector(Collector):
             "pages_used": "KV pages charged to the tenant",
             "pages_reserved": "KV pages reserved for the tenant",
             "surplus_pages": "Pages the tenant holds beyond its reservation",
+            "host_swap_pages": "Host pages the tenant's swapped-out sequences hold",
             "service": "Weighted tokens served (fair-share virtual counter)",
         }
         counters = {
