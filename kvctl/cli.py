@@ -84,6 +84,9 @@ def _tenant_options(f: Any) -> Any:
         click.option("--rpm", help="Requests per minute, or 'unlimited'."),
         click.option("--tpm", help="Tokens per minute, or 'unlimited'."),
         click.option("--max-queue", type=click.IntRange(min=1)),
+        click.option(
+            "--swap", help="Host swap it may hold: a share of swap_space ('50%'), a size, or 'all'."
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -100,6 +103,7 @@ def _tenant_fields(
     rpm: str | None,
     tpm: str | None,
     max_queue: int | None,
+    swap: str | None,
 ) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "api_key_sha256": admin.key_digest(key, key_sha256),
@@ -108,10 +112,13 @@ def _tenant_fields(
         "tier": tier,
         "weight": weight,
         "max_queue": max_queue,
+        "swap": swap,
     }
     fields = {k: v for k, v in fields.items() if v is not None}
     if fields.get("burst_cap") == "none":
         fields["burst_cap"] = None
+    if fields.get("swap") == "all":
+        fields["swap"] = None
     for name, value, option in (
         ("requests_per_minute", rpm, "--rpm"),
         ("tokens_per_minute", tpm, "--tpm"),

@@ -50,6 +50,7 @@ class TenantPatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     requests_per_minute: float | None | UnsetType = UNSET  # null: unlimited
     tokens_per_minute: float | None | UnsetType = UNSET
     max_queue: int | UnsetType = UNSET
+    swap: str | None | UnsetType = UNSET  # null: all of scheduler.swap_space
 
 
 class ModeBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

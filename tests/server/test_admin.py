@@ -69,6 +69,12 @@ def test_status_top_and_usage_errors(tiny_daemon: DaemonProcess) -> None:
     assert refused.returncode == 1 and "no tenant 'nobody'" in refused.stderr
     over = kvctl(tiny_daemon, "tenant", "set", "bob", "--reservation", "90%")
     assert over.returncode == 1 and "pool has" in over.stderr  # alice holds 25%
+    assert kvctl(tiny_daemon, "tenant", "set", "bob", "--swap", "50%").returncode == 0
+    bob = {t["name"]: t for t in status(tiny_daemon)["tenants"]}["bob"]
+    assert bob["swap"] == "50%" and bob["swap_pages"] > 0 and bob["host_swap_pages"] == 0
+    assert kvctl(tiny_daemon, "tenant", "set", "bob", "--swap", "all").returncode == 0
+    bad = kvctl(tiny_daemon, "tenant", "set", "bob", "--swap", "lots")
+    assert bad.returncode == 1 and "swap" in bad.stderr, bad.stderr
     gone = kvctl(tiny_daemon.admin_socket.with_name("absent.sock"), "status")
     assert gone.returncode == 3 and "absent.sock" in gone.stderr
 
