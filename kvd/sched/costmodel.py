@@ -138,30 +138,40 @@ def measure_rates(executor: Executor, repeats: int = 3) -> Rates:
         best = float("inf")
         for _ in range(repeats if context == 0 else 1):
             seq_id = next(ids)
-            tokens = [(seq_id * 7919 + i) % (vocab - 3) + 3 for i in range(context + n + 1)]
+            tokens = [(seq_id * 7919 + i) % span + low for i in range(context + n + 1)]
             seq = kv.add_sequence(seq_id, CALIBRATION_TENANT, tokens)
-            done = 0
-            while done < context:
-                step = min(big, context - done)
-                run(seq, step)
-                done += step
-            best = min(best, run(seq, n))
-            kv.finish(seq)
+            try:
+                done = 0
+                while done < context:
+                    step = min(big, context - done)
+                    run(seq, step)
+                    done += step
+                best = min(best, run(seq, n))
+            finally:
+                kv.finish(seq)
         return best
 
-    big = min(limits.max_num_batched_tokens, limits.max_model_len - 1)
+    low = min(3, vocab - 1)
+    span = max(1, vocab - low)
+    layout = executor.layout
+    capacity = kv.pool.capacity
+    big = max(1, min(limits.max_num_batched_tokens, limits.max_model_len - 1))
+    while big > 1 and layout.pages_for_tokens(big + 1, big) > capacity:
+        big //= 2  # a pool smaller than one step's chunk: calibrate on what it holds
     small = max(1, big // 4)
-    prefill = {n: timed_chunk(0, n) for n in (small, big)}
+    prefill = {n: timed_chunk(0, n) for n in {small, big}}
     per_token = max((prefill[big] - prefill[small]) / max(1, big - small), 1e-9)
     attention = 0.0
-    if big + small < limits.max_model_len:
+    context_fits = layout.pages_for_tokens(big + small + 1, big) <= capacity
+    if big + small < limits.max_model_len and context_fits:
         # The same chunk after ``big`` tokens of context: the difference is its
         # queries seeing ``big`` more keys each.
         with_context = min(timed_chunk(big, small), timed_chunk(big, small))
         attention = max(0.0, (with_context - prefill[small]) / (small * big))
-    few, many = 1, max(2, min(limits.max_copy_pages, kv.pool.capacity) // 2)
+    few = 1
+    many = max(few, min(limits.max_copy_pages, capacity) // 2)
     copies: dict[int, float] = {}
-    for count in (few, many):
+    for count in {few, many}:
         pages = list(range(1, count + 1))
         best = float("inf")
         for _ in range(repeats):
@@ -171,8 +181,9 @@ def measure_rates(executor: Executor, repeats: int = 3) -> Rates:
             executor.barrier()  # the copy-in is dispatched asynchronously
             best = min(best, (time.perf_counter() - start) / 2)
         copies[count] = best
-    per_page = max((copies[many] - copies[few]) / (many - few), 1e-12)
-    layout = executor.layout
+    per_page = max((copies[many] - copies[few]) / max(1, many - few), 1e-12)
+    if many == few:  # a one-page pool: the one copy's time is all per page
+        per_page = max(copies[few], 1e-12)
     global_groups = sum(1 for g in layout.groups if g.window is None)
     return Rates(
         prefill_fixed_s=max(0.0, prefill[small] - small * per_token),

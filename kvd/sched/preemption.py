@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kvd.kv.eviction import plan_eviction
 from kvd.kv.manager import KVManager, PrefixHit
+from kvd.kv.records import Demand
 from kvd.kv.sequence import Sequence
 from kvd.sched.admission import Admission
 from kvd.sched.costmodel import Rates
@@ -79,7 +80,9 @@ class Preemption(Admission):
                 self._preempt(request, plan)  # it cannot grow: it yields
             return 0
         for victim in evict.victims:
-            self._preempt(self._by_seq(victim.seq_id), plan)
+            # The plan counts every page a victim lets go of as freed: a swap
+            # would keep its shared pages, so these victims are recomputed.
+            self._preempt(self._by_seq(victim.seq_id), plan, must_free=True)
         if hit is not None and hit.epoch != kv.pool.evictions:
             return 0  # the victims' pages evicted what the hit was made of: next step
         n = self._most_that_fits(seq, n, hit, whole=True)
@@ -114,11 +117,15 @@ class Preemption(Admission):
             tenant.swap_pages if tenant else None,
         )
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan, *, must_free: bool = False) -> None:
+        """Recompute or swap ``request`` (``must_free``: it is an eviction
+        victim, and a swap that would keep shared pages is a recompute)."""
         seq = request.seq
         assert seq is not None
         plan.remove(request)
         kind = self.preemption_kind(seq)
+        if kind == SWAP and must_free and self.kv.swap_out_pages(seq) < len(seq.held_pages()):
+            kind = RECOMPUTE
         stats = self.tenant_stats[request.tenant]
         self._remove_running(request)
         request.preemptions += 1
@@ -139,10 +146,19 @@ class Preemption(Admission):
         self.queues[request.tenant].appendleft(request)
         stats.preempted_recompute += 1
 
+    def _can_resume(self, seq: Sequence) -> bool:
+        """Its pages fit back, and so does the block its next token needs
+        (else it would swap in only to yield again in the same step)."""
+        kv = self.kv
+        demand = kv.swap_in_demand(seq)
+        extra = kv.num_groups if seq.num_computed >= seq.num_blocks * kv.block_size else 0
+        pages = demand.fresh_pages + extra
+        return kv.fits(seq.tenant, Demand(pages, 0, pages))
+
     def _swap_in(self, request: Request, plan: StepPlan) -> None:
         seq = request.seq
         assert seq is not None and request.host_pages is not None
-        if len(plan.work) >= plan.max_seqs or not self.kv.can_swap_in(seq):
+        if len(plan.work) >= plan.max_seqs or not self._can_resume(seq):
             return
         blocks, data = request.host_pages
         rows = {key: i for i, key in enumerate(blocks)}

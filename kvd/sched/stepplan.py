@@ -34,7 +34,9 @@ class StepPlan:
         self.tokens = 0
         self.pairs = 0  # (query, key) pairs the step's attention computes
         self.copy_s = 0.0  # swap-ins the step waits for
-        self._pairs_of: dict[int, int] = {}  # by id(request), to take back on removal
+        # By id(request): (pairs, prefill tokens) of what ``add`` took, to take back
+        # on removal (a decode of ``add_decodes`` is recomputed from its context).
+        self._added: dict[int, tuple[int, int]] = {}
 
     def full(self) -> bool:
         return self.tokens_left <= 0 or len(self.work) >= self.max_seqs
@@ -69,7 +71,7 @@ class StepPlan:
         self.tokens += n
         self.tokens_left -= n
         self.pairs += pairs
-        self._pairs_of[id(request)] = pairs
+        self._added[id(request)] = (pairs, n if prefill else 0)
 
     def add_decodes(self, requests: list[Request], contexts: int) -> None:
         """One token each for ``requests``, whose contexts sum to ``contexts``."""
@@ -84,10 +86,17 @@ class StepPlan:
     def remove(self, request: Request) -> None:
         """Take ``request`` out again (it was preempted to make room)."""
         n = self.work.remove(request)
-        if n:
-            self.tokens -= n
-            self.tokens_left += n
-            self.pairs -= self._pairs_of.pop(id(request), n)
+        if not n:
+            return
+        self.tokens -= n
+        self.tokens_left += n
+        added = self._added.pop(id(request), None)
+        if added is None:  # a decode of add_decodes: it saw its context and itself
+            seq = request.seq
+            self.pairs -= (seq.num_computed if seq is not None else 0) + 1
+        else:
+            self.pairs -= added[0]
+            self.prefill_tokens -= added[1]
 
     def predicted_s(self) -> float | None:
         if self.rates is None:

@@ -392,3 +392,34 @@ def test_fair_share_between_backlogged_tenants() -> None:
         service = scheduler.stats().tenants
         ratio = service["a"].service / service["b"].service
         assert abs(ratio - want) <= 0.25 * want, (weights, ratio)
+
+
+@pytest.mark.parametrize("pages", [3, 4, 10])
+def test_calibration_fits_a_small_pool(pages: int) -> None:
+    """A pool that holds less than one full step's chunk (with its context)
+    still calibrates: on the chunk it can hold."""
+    executor = make_executor(pages=pages)
+    measured = measure_rates(executor, repeats=1)
+    assert measured.prefill_s_per_token > 0 and measured.copy_s_per_page > 0
+
+
+def test_a_swap_victim_that_shares_pages_is_recomputed() -> None:
+    """An eviction counts every page a victim lets go of as freed; a swap
+    keeps shared pages, so such a victim is recomputed instead."""
+    executor = make_executor(pages=120)
+    config = SchedulerConfig(policy=SharingPolicy.ISOLATED, preemption="swap")
+    scheduler = Scheduler(executor, config)
+    scheduler.set_tenant(TenantConfig("t"))
+    base = prompt(9, 32)
+    scheduler.submit("one", "t", base + [3], greedy(12))
+    run = Run(scheduler)
+    for _ in range(4):
+        run.step()
+    scheduler.submit("two", "t", base + [4], greedy(12))
+    while scheduler.requests["two"].started_at is None:
+        run.step()
+    two = scheduler.requests["two"]
+    scheduler._preempt(two, StepPlan(16, 6), must_free=True)
+    assert two.state is RequestState.WAITING  # recomputed, though swap is configured
+    run.drain()
+    assert run.outputs["two"] == expected(base + [4], 12)

@@ -43,8 +43,8 @@ class CheckedScheduler(Scheduler):
     reclaiming_for: str | None = None
     checked_reclaims = 0
 
-    def _preempt(self, request: Any, plan: Any) -> None:
-        super()._preempt(request, plan)
+    def _preempt(self, request: Any, plan: Any, **kwargs: Any) -> None:
+        super()._preempt(request, plan, **kwargs)
         if self.reclaiming_for is not None and request.tenant != self.reclaiming_for:
             account = self.kv.ledger.accounts[request.tenant]
             assert account.used >= account.reservation, (request.tenant, account)
