@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from kvd.bench.http import percentile
 from kvd.bench.kv import machine_description
 
 BULK_KEY = "kvd-flood-bulk"
@@ -163,11 +164,6 @@ def _complete(url: str, key: str, prompt: str, max_tokens: int) -> tuple[str, fl
     return "".join(text), first if first is not None else float("nan")
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def run_flood_bench(
     model: str = "gemma3-270m",
     flood_requests: int = 24,
@@ -245,9 +241,9 @@ def run_flood_bench(
         flood_prompt_tokens=prompt_tokens,
         interactive_requests=interactive_requests,
         outputs_equal_idle=[o for o, _ in idle] == [o for o, _ in flooded],
-        ttft_idle_p50_s=round(_percentile([t for _, t in idle], 0.5), 3),
+        ttft_idle_p50_s=round(percentile([t for _, t in idle], 0.5), 3),
         ttft_idle_max_s=round(max(t for _, t in idle), 3),
-        ttft_flood_p50_s=round(_percentile([t for _, t in flooded], 0.5), 3),
+        ttft_flood_p50_s=round(percentile([t for _, t in flooded], 0.5), 3),
         ttft_flood_max_s=round(max(t for _, t in flooded), 3),
         queue_steps_max=max(starts, default=-1),
         queue_steps=starts,

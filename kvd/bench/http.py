@@ -95,7 +95,7 @@ def prompts(count: int, system_words: int = 0) -> list[str]:
     ]
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -286,10 +286,10 @@ def run_http_load(
         leaked_pages=leaked,
         requests_per_s=round(stats.requests / elapsed, 2),
         output_tokens_per_s=round(stats.tokens / elapsed, 1),
-        ttft_p50_s=round(_percentile(stats.ttft, 0.5), 3),
-        ttft_p99_s=round(_percentile(stats.ttft, 0.99), 3),
-        itl_p50_s=round(_percentile(stats.itl, 0.5), 4),
-        itl_p99_s=round(_percentile(stats.itl, 0.99), 4),
+        ttft_p50_s=round(percentile(stats.ttft, 0.5), 3),
+        ttft_p99_s=round(percentile(stats.ttft, 0.99), 3),
+        itl_p50_s=round(percentile(stats.itl, 0.5), 4),
+        itl_p99_s=round(percentile(stats.itl, 0.99), 4),
         tokens_per_chunk=round(stats.tokens / max(1, stats.chunks), 2),
         daemon_peak_rss_gib=peak_rss,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -19,6 +19,7 @@ from kvd.engine.model import StepBatch
 from kvd.engine.sampling import MAX_STOP_IDS, SamplingParams
 from kvd.kv.layout import PageLayout
 from kvd.kv.sequence import Sequence
+from kvd.sched.executor import ParamsLookup
 
 
 def bucket(n: int, buckets: Seq[int]) -> int:
@@ -59,13 +60,6 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
         size *= 2
     sizes.append(hi)
     return tuple(sizes)
-
-
-class ParamsLookup(Protocol):
-    """Sampling parameters by position in a step (a list will do); only the
-    entries of sequences running for the first time are read."""
-
-    def __getitem__(self, index: int, /) -> SamplingParams | None: ...
 
 
 # A sequence's sampling row: top_k, seed, position, logprobs wanted, stop ids;

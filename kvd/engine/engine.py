@@ -25,7 +25,6 @@ from kvd.engine.batching import (
     SAMPLING_FLOATS,
     SAMPLING_INTS,
     SAMPLING_STOP,
-    ParamsLookup,
     SequenceRows,
     assemble_step_batch,
     batch_shapes,
@@ -51,7 +50,7 @@ from kvd.kv.columns import BLOCKS, COMPUTED, LAST_TOKEN, LENGTH, SERIAL, TABLE_V
 from kvd.kv.layout import build_layout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
-from kvd.sched.executor import ExecutorLimits
+from kvd.sched.executor import ExecutorLimits, ParamsLookup
 
 Progress = Callable[[int, int, str], None]
 

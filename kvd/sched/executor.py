@@ -33,11 +33,11 @@ class ExecutorLimits(msgspec.Struct, frozen=True):
 
 
 class ParamsLookup(Protocol):
-    """Sampling parameters by position in a step's work (read lazily)."""
+    """Sampling parameters by position in a step (a list will do); an
+    executor may read only the entries of sequences running for the first
+    time (the engine does: it keeps them for the sequence's life)."""
 
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> SamplingParams: ...
+    def __getitem__(self, index: int, /) -> SamplingParams | None: ...
 
 
 class Executor(Protocol):

@@ -109,6 +109,8 @@ class SimulatedExecutor:
             self._write(seq, start, end)
             if end == len(seq.tokens):
                 p = params[i]
+                if p is None:
+                    raise ValueError(f"no sampling parameters for sequence {seq.seq_id}")
                 token = next_token(self._read(seq, end), p, self.limits.vocab_size)
                 sampled[i] = token
                 stopped[i] = token in p.stop_token_ids

@@ -174,7 +174,6 @@ def load(
     live = saved or from_config(config, config_prefixes(config, model))
     if saved is not None:
         progress("lifecycle.state_restored", {"tenants": [t.name for t in saved.tenants]})
-    swap_pages = parse_size(config.scheduler.swap_space) // page_bytes
     scheduler = Scheduler(
         engine,
         SchedulerConfig(
@@ -183,7 +182,7 @@ def load(
             policy=live.policy,
             preemption=config.budget.preemption,
             target_step_ms=config.scheduler.target_step_ms,
-            swap_pages=swap_pages,
+            swap_pages=swap_space_pages(config, page_bytes),
         ),
     )
     # Budgets and prefixes are checked against the real pool before the long
@@ -218,6 +217,12 @@ def load(
     return Loaded(scheduler, model, pool_pages, page_bytes, live)
 
 
+def swap_space_pages(config: Config, page_bytes: int) -> int:
+    """``scheduler.swap_space`` in pages: the whole host swap and the base of
+    a tenant's ``swap`` share."""
+    return parse_size(config.scheduler.swap_space) // page_bytes
+
+
 def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) -> TenantConfig:
     where = f"tenants.{entry.name}"
     reservation = pages_of(f"{where}.reservation", entry.reservation, page_bytes, pool_pages)
@@ -226,8 +231,8 @@ def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) 
         cap = pages_of(f"{where}.burst_cap", entry.burst_cap, page_bytes, pool_pages)
     swap = None
     if entry.swap is not None:
-        swap_pages = parse_size(config.scheduler.swap_space) // page_bytes
-        swap = pages_of(f"{where}.swap", entry.swap, page_bytes, swap_pages)
+        space = swap_space_pages(config, page_bytes)
+        swap = pages_of(f"{where}.swap", entry.swap, page_bytes, space)
     return TenantConfig(
         name=entry.name,
         reservation_pages=reservation,

@@ -1,7 +1,9 @@
-"""The simulated executor over a small two-kind layout, for policy tests."""
+"""The simulated executor over a small two-kind layout, and the clock and
+sampling parameters the scheduler tests share."""
 
 from __future__ import annotations
 
+from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.geometry import AttentionKind, KVGeometry, LayerType
 from kvd.kv.layout import build_layout
 from kvd.sched.executor import ExecutorLimits
@@ -24,3 +26,17 @@ def make_executor(pages: int = 90, limits: ExecutorLimits = LIMITS) -> Simulated
         "tiny", (s, s, g, s, s), (LayerType(g, 1, 16), LayerType(s, 1, 8, 8)), "float32"
     )
     return SimulatedExecutor(build_layout(geometry, 4), pages + 1, limits, STOP_IDS)
+
+
+class Clock:
+    """Time that moves only when a test moves it."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n)

@@ -21,19 +21,11 @@ from kvd.sched.costmodel import Rates
 from kvd.sched.requests import Rejection, RequestState
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from kvd.sched.simulated import expected_output
-from tests.sched.simulated import STOP_IDS, make_executor
+from tests.sched.simulated import STOP_IDS, Clock, make_executor
 
 TENANTS = ("a", "b", "c", "d")
 TIERS = ("interactive", "batch")
 DRAIN_STEPS = 3000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class CheckedScheduler(Scheduler):

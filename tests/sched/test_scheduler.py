@@ -17,18 +17,7 @@ from kvd.sched.scheduler import (
 )
 from kvd.sched.stepplan import StepPlan
 from tests.sched.conftest import MakeEngine
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n)
+from tests.sched.simulated import Clock, greedy
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -52,7 +41,7 @@ def run_to_end(scheduler: Scheduler, limit: int = 500) -> dict[str, list[int]]:
 def make_scheduler(engine, mode=BudgetMode.RESERVE, preemption="auto", **tenants):  # type: ignore[no-untyped-def]
     # A scheduler owns a KV manager of its own: each scenario starts cold.
     scheduler = Scheduler(
-        engine, SchedulerConfig(mode=mode, preemption=preemption), clock=FakeClock()
+        engine, SchedulerConfig(mode=mode, preemption=preemption), clock=Clock(1000.0)
     )
     for name, config in (tenants or {"t": TenantConfig("t")}).items():
         scheduler.set_tenant(config if isinstance(config, TenantConfig) else TenantConfig(name))
@@ -104,7 +93,7 @@ def test_rate_limit_refuses_with_a_correct_retry_after(engine) -> None:  # type:
     limited = TenantConfig("slow", limits=RateLimits(tokens_per_minute=100))
     scheduler = make_scheduler(engine, slow=limited, other=TenantConfig("other"))
     clock = scheduler.clock
-    assert isinstance(clock, FakeClock)
+    assert isinstance(clock, Clock)
     scheduler.submit("a", "slow", prompt(2, 20), greedy(40))  # 60 tokens of 100
     with pytest.raises(Rejection) as refused:
         scheduler.submit("b", "slow", prompt(3, 20), greedy(40))
