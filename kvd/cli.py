@@ -346,6 +346,10 @@ def bench_http(
 )  # fmt: skip
 @click.option("--no-target", is_flag=True, help="Run without a step-time target.")
 @click.option("--pool", default="256MiB", show_default=True)
+@click.option(
+    "--mode", type=click.Choice(["reserve", "static", "free"]), default="reserve",
+    show_default=True, help="The daemon's budget mode (static: the flooder holds 70%).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_flood(
     model: str,
@@ -355,6 +359,7 @@ def bench_flood(
     target_step_ms: float,
     no_target: bool,
     pool: str,
+    mode: str,
     as_json: bool,
 ) -> None:
     """Time isolation: a reserved interactive tenant under a batch tenant's flood."""
@@ -367,6 +372,7 @@ def bench_flood(
         interactive,
         None if no_target else target_step_ms,
         pool,
+        mode=mode,
         log=lambda t: click.echo(t, err=True),
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
@@ -396,6 +402,42 @@ def bench_startup(as_json: bool) -> None:
 
     report = run_startup_bench()
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
+EXPERIMENT_NAMES = ("bytes", "floor", "prefix", "fragmentation", "crossover", "isolation")
+
+
+@cli.command("experiment")
+@click.argument("name", type=click.Choice([*EXPERIMENT_NAMES, "report"]))
+@click.option(
+    "--out", type=click.Path(file_okay=False), default="capacity-report", show_default=True,
+    help="Directory for the JSON, the plots and (for report) README.md.",
+)  # fmt: skip
+@click.option("--quick", is_flag=True, help="Small sizes and the tiny random model: a smoke run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def experiment(name: str, out: str, quick: bool, as_json: bool) -> None:
+    """The seed's six capacity questions, answered on this machine.
+
+    NAME is one experiment (bytes, floor, prefix, fragmentation, crossover,
+    isolation) or `report`: all six, then OUT/README.md with every plot.
+    Each writes OUT/NAME.json and OUT/NAME.png and prints its table.
+    """
+    from pathlib import Path
+
+    from kvd.experiments.report import run_one, run_report
+    from kvd.experiments.results import render
+
+    def say(text: str) -> None:
+        click.echo(text, err=True)
+
+    target = Path(out)
+    if name == "report":
+        command = f"kvd experiment report --out {out}" + (" --quick" if quick else "")
+        path = run_report(target, quick, say, command)
+        click.echo(f"report: {path}")
+        return
+    result = run_one(name, target, quick, say)
+    click.echo(msgspec.json.encode(result).decode() if as_json else render(result))
 
 
 def main() -> None:

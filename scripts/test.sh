@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run the whole test suite on a fresh machine: creates .venv, installs kvd with
-# its test extra, runs pytest. Extra arguments go to pytest.
+# its test and bench extras, runs pytest. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-kvd_ensure_venv test
+kvd_ensure_venv test,bench
 status=0
 "$KVD_VENV/bin/python" -m pytest "$@" || status=$?
 # pytest exits 5 when it collected nothing (e.g. a -k that matches no test).

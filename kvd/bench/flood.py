@@ -12,19 +12,15 @@ slowest step once serving (``engine.step``), against ``target_step_ms``.
 from __future__ import annotations
 
 import hashlib
-import json
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
+from kvd.bench.daemon import LoggedDaemon, stream_completion
 from kvd.bench.http import percentile
 from kvd.bench.kv import machine_description
 
@@ -35,6 +31,7 @@ INTER_KEY = "kvd-flood-inter"
 class FloodReport(msgspec.Struct, frozen=True):
     machine: str
     model: str
+    mode: str
     target_step_ms: float | None
     flood_requests: int
     flood_prompt_tokens: int
@@ -51,10 +48,16 @@ class FloodReport(msgspec.Struct, frozen=True):
     steps_over_twice_target: int | None
     flood_completed: int
     flood_seconds: float
+    ttft_idle_s: list[float] = []
+    ttft_flood_s: list[float] = []
 
 
-def _config(model: str, max_model_len: int, pool: str, target: float | None, sock: str) -> str:
+def _config(
+    model: str, max_model_len: int, pool: str, target: float | None, sock: str, mode: str
+) -> str:
     target_line = f"target_step_ms = {target}" if target is not None else ""
+    # Static partitions hold nothing beyond a reservation: the flooder gets the rest.
+    bulk_reservation = "70%" if mode == "static" else "0"
     return f"""
 [server]
 listen = "127.0.0.1:0"
@@ -73,6 +76,9 @@ max_num_batched_tokens = 512
 [pool]
 size = "{pool}"
 
+[budget]
+mode = "{mode}"
+
 [scheduler]
 {target_line}
 
@@ -80,6 +86,7 @@ size = "{pool}"
 name = "bulk"
 api_key_sha256 = "{hashlib.sha256(BULK_KEY.encode()).hexdigest()}"
 tier = "batch"
+reservation = "{bulk_reservation}"
 max_queue = 64
 
 [[tenants]]
@@ -89,79 +96,16 @@ reservation = "30%"
 """
 
 
-class _Daemon:
-    """``kvd serve`` as a subprocess whose JSON log lines are kept."""
-
-    def __init__(self, config: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.events: list[dict[str, Any]] = []
-        self.ready = threading.Event()
-        self.url = ""
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            event["_t"] = time.monotonic()
-            self.events.append(event)
-            if event.get("event") == "lifecycle.listening":
-                self.url = event["addresses"][0]
-            elif event.get("event") == "lifecycle.ready":
-                self.ready.set()
-        self.ready.set()
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=120)
-
-
 def _text(i: int, words: int) -> str:
     return "".join(f"Record {i}-{j}: the value of item {j} is {j * 7 % 13}. " for j in range(words))
 
 
 def _complete(url: str, key: str, prompt: str, max_tokens: int) -> tuple[str, float]:
     """A streamed greedy completion: (its text, time to first token)."""
-    import httpx
-
-    body = {
-        "model": "flood",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    sent = time.monotonic()
-    first: float | None = None
-    text: list[str] = []
-    with (
-        httpx.Client(timeout=3600) as http,
-        http.stream(
-            "POST",
-            f"{url}/v1/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {key}"},
-        ) as response,
-    ):
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk["choices"]:
-                if choice.get("text"):
-                    if first is None:
-                        first = time.monotonic() - sent
-                    text.append(choice["text"])
-    return "".join(text), first if first is not None else float("nan")
+    done = stream_completion(
+        url, key, {"model": "flood", "prompt": prompt, "max_tokens": max_tokens}
+    )
+    return done.text, done.ttft_s
 
 
 def run_flood_bench(
@@ -172,6 +116,7 @@ def run_flood_bench(
     target_step_ms: float | None = 2000.0,
     pool: str = "256MiB",
     max_model_len: int = 2048,
+    mode: str = "reserve",
     log: Callable[[str], None] = lambda _text: None,
 ) -> FloodReport:
     from kvd.engine.loader import load_model
@@ -184,14 +129,13 @@ def run_flood_bench(
     ]
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "flood.toml"
-        config.write_text(_config(model, max_model_len, pool, target_step_ms, f"{tmp}/a.sock"))
+        config.write_text(
+            _config(model, max_model_len, pool, target_step_ms, f"{tmp}/a.sock", mode)
+        )
         log(f"starting kvd serve ({model}), target_step_ms={target_step_ms}")
-        daemon = _Daemon(config)
+        daemon = LoggedDaemon(config)
         try:
-            daemon.ready.wait()
-            if daemon.proc.poll() is not None:
-                raise RuntimeError("the daemon exited before it was ready")
-            url = daemon.url
+            url = daemon.wait_ready()
             log("idle run: the interactive requests alone")
             idle = [_complete(url, INTER_KEY, p, 8) for p in inter_prompts]
             log(f"flood: {flood_requests} x ~{prompt_tokens} tokens from the batch tenant")
@@ -236,6 +180,7 @@ def run_flood_bench(
     return FloodReport(
         machine=machine_description(),
         model=model,
+        mode=mode,
         target_step_ms=target_step_ms,
         flood_requests=flood_requests,
         flood_prompt_tokens=prompt_tokens,
@@ -252,6 +197,8 @@ def run_flood_bench(
         steps_over_twice_target=over,
         flood_completed=len(flood_done),
         flood_seconds=round(flood_seconds, 1),
+        ttft_idle_s=[round(t, 3) for _, t in idle],
+        ttft_flood_s=[round(t, 3) for _, t in flooded],
     )
 
 
@@ -261,7 +208,8 @@ def render(report: FloodReport) -> str:
         [
             "kvd bench flood: a batch tenant floods, a reserved interactive tenant sends "
             "short greedy requests",
-            f"machine: {report.machine}; model {report.model}; target_step_ms {target}",
+            f"machine: {report.machine}; model {report.model}; budget mode {report.mode}; "
+            f"target_step_ms {target}",
             f"flood: {report.flood_requests} x {report.flood_prompt_tokens}-token prompts, "
             f"{report.flood_completed} completed in {report.flood_seconds} s",
             f"interactive ({report.interactive_requests} requests): TTFT p50/max idle "

@@ -118,12 +118,12 @@ def kvd_capacity(
         sliding_groups=len(probe.sliding_groups),
         padded_layer_slots=layout.padded_layer_slots(),
         sliding_bytes_first_token=first_token_sliding,
-        total_tokens=block_size * _max_sequences(geometry, pool_bytes, block_size, block_size),
-        max_sequences_512=_max_sequences(geometry, pool_bytes, block_size, 512),
+        total_tokens=block_size * max_sequences(geometry, pool_bytes, block_size, block_size),
+        max_sequences_512=max_sequences(geometry, pool_bytes, block_size, 512),
         longest_sequence_tokens=_longest(geometry, pool_bytes, block_size),
         max_waste_bytes_per_sequence=(block_size - 1) * bytes_per_token(geometry).total,
         max_sequences_at_context=(
-            None if context is None else _max_sequences(geometry, pool_bytes, block_size, context)
+            None if context is None else max_sequences(geometry, pool_bytes, block_size, context)
         ),
     )
 
@@ -150,7 +150,7 @@ def _grow(kv: KVManager, seq_id: int, length: int) -> bool:
     return True
 
 
-def _max_sequences(geometry: KVGeometry, pool_bytes: int, block_size: int, length: int) -> int:
+def max_sequences(geometry: KVGeometry, pool_bytes: int, block_size: int, length: int) -> int:
     kv = _fresh(geometry, pool_bytes, block_size)
     count = 0
     while _grow(kv, count, length):

@@ -1,0 +1,107 @@
+"""A real daemon for benchmarks and experiments: ``kvd serve`` as a
+subprocess whose JSON log lines are kept, and a streamed completion client."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+class LoggedDaemon:
+    """``kvd serve`` as a subprocess whose JSON log lines are kept."""
+
+    def __init__(self, config: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.events: list[dict[str, Any]] = []
+        self.ready = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            event["_t"] = time.monotonic()
+            self.events.append(event)
+            if event.get("event") == "lifecycle.listening":
+                self.url = event["addresses"][0]
+            elif event.get("event") == "lifecycle.ready":
+                self.ready.set()
+        self.ready.set()
+
+    def wait_ready(self) -> str:
+        self.ready.wait()
+        if self.proc.poll() is not None:
+            raise RuntimeError("the daemon exited before it was ready")
+        return self.url
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=120)
+
+
+class Completion(msgspec.Struct):
+    text: str
+    ttft_s: float
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def stream_completion(url: str, key: str, body: dict[str, Any]) -> Completion:
+    """A streamed greedy completion of ``body`` (model, prompt, max_tokens, ...),
+    with its usage."""
+    import httpx
+
+    body = {"temperature": 0, **body, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.monotonic()
+    first: float | None = None
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    with (
+        httpx.Client(timeout=3600) as http,
+        http.stream(
+            "POST",
+            f"{url}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+        ) as response,
+    ):
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"{response.status_code}: {response.text}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                if choice.get("text"):
+                    if first is None:
+                        first = time.monotonic() - sent
+                    text.append(choice["text"])
+    details = usage.get("prompt_tokens_details") or {}
+    return Completion(
+        text="".join(text),
+        ttft_s=first if first is not None else float("nan"),
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=int(details.get("cached_tokens", 0)),
+        completion_tokens=int(usage.get("completion_tokens", 0)),
+    )
