@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
@@ -414,16 +415,18 @@ EXPERIMENT_NAMES = ("bytes", "floor", "prefix", "fragmentation", "crossover", "i
     help="Directory for the JSON, the plots and (for report) README.md.",
 )  # fmt: skip
 @click.option("--quick", is_flag=True, help="Small sizes and the tiny random model: a smoke run.")
+@click.option(
+    "--tag", help="Name the files NAME-TAG (e.g. crossover-tpu_v5e): a run on another device, "
+    "to copy beside this machine's; `report` includes every NAME-TAG.json in OUT.",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def experiment(name: str, out: str, quick: bool, as_json: bool) -> None:
+def experiment(name: str, out: str, quick: bool, tag: str | None, as_json: bool) -> None:
     """The seed's six capacity questions, answered on this machine.
 
     NAME is one experiment (bytes, floor, prefix, fragmentation, crossover,
     isolation) or `report`: all six, then OUT/README.md with every plot.
     Each writes OUT/NAME.json and OUT/NAME.png and prints its table.
     """
-    from pathlib import Path
-
     from kvd.experiments.report import run_one, run_report
     from kvd.experiments.results import render
 
@@ -431,12 +434,16 @@ def experiment(name: str, out: str, quick: bool, as_json: bool) -> None:
         click.echo(text, err=True)
 
     target = Path(out)
+    if tag is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.]*", tag):
+        raise click.BadParameter("letters, digits, '_' and '.' only", param_hint="--tag")
     if name == "report":
+        if tag is not None:
+            raise click.BadParameter("tag one experiment, not the report", param_hint="--tag")
         command = f"kvd experiment report --out {out}" + (" --quick" if quick else "")
         path = run_report(target, quick, say, command)
         click.echo(f"report: {path}")
         return
-    result = run_one(name, target, quick, say)
+    result = run_one(name, target, quick, say, tag)
     click.echo(msgspec.json.encode(result).decode() if as_json else render(result))
 
 

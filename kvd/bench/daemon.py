@@ -28,7 +28,8 @@ class LoggedDaemon:
         self.events: list[dict[str, Any]] = []
         self.ready = threading.Event()
         self.url = ""
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -52,8 +53,16 @@ class LoggedDaemon:
         return self.url
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=120)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=30)  # to the end of its output
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 class Completion(msgspec.Struct):
@@ -72,6 +81,7 @@ def stream_completion(url: str, key: str, body: dict[str, Any]) -> Completion:
     body = {"temperature": 0, **body, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.monotonic()
     first: float | None = None
+    last = sent
     text: list[str] = []
     usage: dict[str, Any] = {}
     with (
@@ -90,18 +100,24 @@ def stream_completion(url: str, key: str, body: dict[str, Any]) -> Completion:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            last = time.monotonic()
+            if "error" in chunk:  # an aborted stream (drain, queue timeout)
+                raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            for choice in chunk["choices"]:
+            for choice in chunk.get("choices", ()):
                 if choice.get("text"):
                     if first is None:
-                        first = time.monotonic() - sent
+                        first = last - sent
                     text.append(choice["text"])
+    if not usage:
+        raise RuntimeError("the stream ended without its usage chunk")
     details = usage.get("prompt_tokens_details") or {}
     return Completion(
         text="".join(text),
-        ttft_s=first if first is not None else float("nan"),
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        # A completion whose tokens are no text yet: its first token came by the end.
+        ttft_s=first if first is not None else last - sent,
+        prompt_tokens=int(usage["prompt_tokens"]),
         cached_tokens=int(details.get("cached_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", 0)),
     )

@@ -81,13 +81,18 @@ def random_model(
     return LoadedModel(config, random_params(config, seed), None, "random", 0.0)  # type: ignore[arg-type]
 
 
+def embedded_tokenizer() -> Tokenizer:
+    """The embedded model's tokenizer alone (no weights loaded)."""
+    path = embedded_gguf_path()
+    with GGUFFile(path) as gguf:
+        return _gguf_tokenizer(gguf, path)
+
+
 def random_model_with_tokenizer(max_position: int = 2048, seed: int = 0) -> LoadedModel:
     """The tiny random model with the embedded model's tokenizer and vocabulary:
     text in, (meaningless) text out, at almost no model cost. For exercising
     the daemon, like vLLM's dummy weights."""
-    path = embedded_gguf_path()
-    with GGUFFile(path) as gguf:
-        tokenizer = _gguf_tokenizer(gguf, path)
+    tokenizer = embedded_tokenizer()
     model = random_model(
         tokenizer.vocab_size, sliding_window=32, seed=seed, max_position=max_position
     )

@@ -28,7 +28,14 @@ import msgspec
 
 from kvd.bench.daemon import LoggedDaemon, stream_completion
 from kvd.bench.http import percentile
-from kvd.experiments.replay import ReplaySettings, ideal_hits, platform_ids, replay
+from kvd.experiments.replay import (
+    CacheEvent,
+    ReplaySettings,
+    ideal_hits,
+    platform_ids,
+    replay,
+    unbounded_hits,
+)
 from kvd.experiments.results import ExperimentResult, Say, new_result, pct, pyplot, save_plot, timed
 from kvd.experiments.workload import (
     Session,
@@ -39,7 +46,7 @@ from kvd.experiments.workload import (
     total_requests,
 )
 from kvd.kv.geometry import preset
-from kvd.kv.scope import PublicPrefixes, SharingPolicy, chain_hashes, resolve_scope
+from kvd.kv.scope import SharingPolicy
 from kvd.units import parse_size
 
 QUESTION = (
@@ -62,6 +69,13 @@ class PolicyFigures(msgspec.Struct):
     ttft_p50_s: dict[str, float]  # per tenant
     ttft_p99_s: dict[str, float]
     failed: int = 0
+
+
+def hit_verdict(hit_rate: float) -> str:
+    """The seed's framing: "a large win or a rounding error"."""
+    if hit_rate >= 0.2:
+        return "a large win"
+    return "a modest win" if hit_rate >= 0.05 else "a rounding error"
 
 
 def _label(policy: str, salts: bool) -> str:
@@ -227,30 +241,24 @@ def daemon_ideal(
     played: list[_Played], tokenizer: Any, policy: SharingPolicy, platform: str, block: int = 16
 ) -> int:
     """Hit tokens of an unbounded cache over what the daemon was sent: prompts
-    tokenized as the daemon does, each prompt's blocks kept from when it was
-    sent and its prompt + reply's from when it finished."""
-    prefixes = PublicPrefixes()
-    if policy is not SharingPolicy.ISOLATED:
-        prefixes.add("platform", tokenizer.encode(platform))
-    events = sorted(
-        [(p.started, 0, i) for i, p in enumerate(played) if p.error is None]
-        + [(p.finished, 1, i) for i, p in enumerate(played) if p.error is None]
-    )
-    seen: set[bytes] = set()
-    total = 0
-    for _, kind, i in events:
-        p = played[i]
-        text = p.prompt_text if kind == 0 else p.prompt_text + p.reply_text
-        tokens = tokenizer.encode(text)
-        scope = resolve_scope(policy, p.tenant, p.salt, tokens, block, prefixes)
-        hashes = chain_hashes(tokens, block, scope, 0, len(tokens) // block, None)
-        if kind == 0:
-            most, hit = (len(tokens) - 1) // block, 0
-            while hit < most and hashes[hit] in seen:
-                hit += 1
-            total += hit * block
-        seen.update(hashes)
-    return total
+    tokenized as the daemon does, each looked up when it was sent, its blocks
+    cached from its first token on, and its prompt + reply's once finished."""
+    events = []
+    for i, p in enumerate(played):
+        if p.error is not None:
+            continue
+        rid = str(i)
+        prompt = tokenizer.encode(p.prompt_text)
+        full = tokenizer.encode(p.prompt_text + p.reply_text)
+        events += [
+            CacheEvent(p.started, False, rid, p.tenant, p.salt, prompt, (len(prompt) - 1) // block),
+            CacheEvent(
+                p.started + p.ttft_s, True, rid, p.tenant, p.salt, prompt, len(prompt) // block
+            ),
+            CacheEvent(p.finished, True, rid, p.tenant, p.salt, full, (len(full) - 1) // block),
+        ]
+    public = tokenizer.encode(platform) if policy is not SharingPolicy.ISOLATED else None
+    return sum(unbounded_hits(events, policy, block, public).values())
 
 
 def daemon_runs(
@@ -259,10 +267,13 @@ def daemon_runs(
     """One daemon, every policy in turn: set live over the admin socket, as an
     operator would, with the cache flushed between runs."""
     from kvctl.admin import Client
-    from kvd.engine.loader import EMBEDDED_MODEL, load_model, random_model_with_tokenizer
+    from kvd.engine.loader import embedded_tokenizer
 
-    loaded = random_model_with_tokenizer() if model == "random" else load_model(EMBEDDED_MODEL)
-    tokenizer = loaded.tokenizer
+    if model not in ("random", "gemma3-270m"):
+        raise ValueError(
+            f"the prefix experiment runs the embedded model or 'random', not {model!r}"
+        )
+    tokenizer = embedded_tokenizer()  # both speak the embedded model's vocabulary
     platform = segment_text(next(seg for seg in sessions[0].head if seg.kind == "platform"))
     tenants = sorted({s.tenant for s in sessions})
     figures = []

@@ -75,6 +75,7 @@ class FragmentationSample(msgspec.Struct, frozen=True):
     sequences: int  # running, holding pages
     live_bytes: int  # K/V bytes a future query can still read, shared pages once
     allocated_bytes: int  # pages held by live sequences (shared once), whole pages
+    referenced_bytes: int  # pages the pool counts referenced (public-prefix pins too)
     # The same sequences in a contiguous allocator: nothing shared, each holding
     # its K/V unpaged (live), and reserving up front either its own bound
     # (prompt + max_tokens) or the model's context; windows reserve at most
@@ -121,7 +122,19 @@ def notional_rates(layout: PageLayout, settings: ReplaySettings) -> Rates:
     )
 
 
-def build_scheduler(settings: ReplaySettings, tenants: list[str], mode: BudgetMode) -> Scheduler:
+class VirtualClock:
+    """The replay's time: it moves by each step's predicted duration."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build_scheduler(
+    settings: ReplaySettings, tenants: list[str], mode: BudgetMode, clock: VirtualClock
+) -> Scheduler:
     layout = build_layout(settings.geometry, settings.block_size)
     pages = layout.pool_tokens(settings.pool_bytes) // settings.block_size * layout.num_groups
     buckets = tuple(2**i for i in range(1, 20) if 2**i <= settings.max_num_batched_tokens)
@@ -137,6 +150,7 @@ def build_scheduler(settings: ReplaySettings, tenants: list[str], mode: BudgetMo
         executor,
         SchedulerConfig(mode=mode, policy=settings.policy, preemption="recompute"),
         rates=notional_rates(layout, settings),
+        clock=clock,
     )
     for name in tenants:
         scheduler.set_tenant(TenantConfig(name, max_queue=100_000))
@@ -151,7 +165,8 @@ def replay(
     on_step: Callable[[Scheduler], None] | None = None,
 ) -> ReplayResult:
     tenants = sorted({s.tenant for s in sessions})
-    scheduler = build_scheduler(settings, tenants, mode)
+    clock = VirtualClock()
+    scheduler = build_scheduler(settings, tenants, mode, clock)
     kv = scheduler.kv
     if settings.policy is not SharingPolicy.ISOLATED:
         kv.add_public_prefix(PLATFORM, platform_ids(sessions))
@@ -167,12 +182,15 @@ def replay(
     while pending or scheduler.has_work():
         if not scheduler.has_work() and pending:
             now = max(now, pending[0][0])
+        clock.now = now
         while pending and pending[0][0] <= now:
-            _, index, turn = heapq.heappop(pending)
+            arrived, index, turn = heapq.heappop(pending)
             session = sessions[index]
             rid = f"{session.session_id}-{turn}"
             prompt = prompt_ids(session, turn, history.get(session.session_id, []))
-            record = RequestRecord(rid, session.session_id, session.tenant, turn, now, len(prompt))
+            record = RequestRecord(
+                rid, session.session_id, session.tenant, turn, arrived, len(prompt)
+            )
             records[rid] = record
             out.prompts[rid] = prompt
             params = SamplingParams(temperature=0.0, max_tokens=session.turns[turn].max_tokens)
@@ -186,7 +204,6 @@ def replay(
                 )
             except Rejection as exc:
                 record.rejected = exc.code  # the session ends here, as a client would give up
-        scheduler.clock = lambda: now  # noqa: B023 - virtual time, read during the step
         events = scheduler.step()
         now += scheduler.last_step_predicted_s or settings.step_fixed_s
         out.steps = scheduler.steps
@@ -271,7 +288,8 @@ class _Sampler:
             if request.seq is None:
                 continue
             sequences += 1
-            contiguous_live += self._bytes(request.seq.num_computed)
+            # Live as the pages count it: a sliding layer's next query sees window - 1.
+            contiguous_live += self._bytes(request.seq.num_computed, visible=True)
             contiguous += self._bytes(min(self.context, request.prompt_len + self.reserve))
             context += self._bytes(self.context)
         return FragmentationSample(
@@ -279,14 +297,54 @@ class _Sampler:
             sequences,
             live,
             pages_held * self.page_bytes,
+            scheduler.kv.pool.num_referenced() * self.page_bytes,
             contiguous_live,
             contiguous,
             context,
         )
 
-    def _bytes(self, tokens: int) -> int:
-        sliding = min(tokens, self.window) if self.window else tokens
+    def _bytes(self, tokens: int, visible: bool = False) -> int:
+        window = (self.window - 1 if visible else self.window) if self.window else None
+        sliding = min(tokens, window) if window else tokens
         return tokens * self.global_token_bytes + sliding * self.sliding_token_bytes
+
+
+class CacheEvent(msgspec.Struct, frozen=True):
+    """For the unbounded cache: at ``time`` a request looks its prompt up
+    (``insert`` False), or full blocks of ``tokens`` become cached."""
+
+    time: float
+    insert: bool
+    request_id: str
+    tenant: str
+    salt: str | None
+    tokens: list[int]
+    blocks: int  # full blocks that count (inserted, or at most looked up)
+
+
+def unbounded_hits(
+    events: list[CacheEvent], policy: SharingPolicy, block_size: int, public: list[int] | None
+) -> dict[str, int]:
+    """Per lookup, the tokens an unbounded cache under ``policy`` serves: every
+    block ever inserted before it (a lookup at the same time as an insert
+    does not see it, as requests started in one step do not see each
+    other's blocks), kept forever, in the scopes the KV core uses."""
+    prefixes = PublicPrefixes()
+    if public is not None and policy is not SharingPolicy.ISOLATED:
+        prefixes.add(PLATFORM, public)
+    seen: set[bytes] = set()
+    hits: dict[str, int] = {}
+    for e in sorted(events, key=lambda e: (e.time, e.insert)):
+        scope = resolve_scope(policy, e.tenant, e.salt, e.tokens, block_size, prefixes)
+        hashes = chain_hashes(e.tokens, block_size, scope, 0, e.blocks, None)
+        if e.insert:
+            seen.update(hashes)
+            continue
+        hit = 0
+        while hit < e.blocks and hashes[hit] in seen:
+            hit += 1
+        hits[e.request_id] = hit * block_size
+    return hits
 
 
 def ideal_hits(
@@ -296,39 +354,27 @@ def ideal_hits(
     public: list[int] | None,
     salt_of: dict[str, str | None],
 ) -> dict[str, int]:
-    """Per request, the tokens an unbounded cache under ``policy`` would have
-    served: every full block of every earlier prompt (as it started) and of
-    every finished prompt + output, kept forever, in the same scopes."""
-    prefixes = PublicPrefixes()
-    if public is not None and policy is not SharingPolicy.ISOLATED:
-        prefixes.add(PLATFORM, public)
-    # A prompt's blocks are there for requests starting after it started; an
-    # output's for those starting after it finished.
-    order = sorted(
-        [(r.start_step, 0, r.request_id, "start") for r in result.requests if r.start_step >= 0]
-        + [
-            (r.finish_step, 1, r.request_id, "finish")
-            for r in result.requests
-            if r.finish_step >= 0
-        ]
-    )
-    records = {r.request_id: r for r in result.requests}
-    seen: set[bytes] = set()
-    hits: dict[str, int] = {}
-    for _step, _kind, rid, what in order:
-        tokens = result.prompts[rid] if what == "start" else result.finished_tokens[rid]
-        scope = resolve_scope(
-            policy, records[rid].tenant, salt_of[rid], tokens, block_size, prefixes
+    """The unbounded cache over a replay: a prompt's blocks cached from the
+    step it started in, its output's from the step it finished in (the last
+    sampled token has no K/V)."""
+    events = []
+    for r in result.requests:
+        if r.start_step < 0:
+            continue
+        prompt = result.prompts[r.request_id]
+        salt = salt_of[r.request_id]
+        lookup = (len(prompt) - 1) // block_size
+        events.append(CacheEvent(r.start_step, False, r.request_id, r.tenant, salt, prompt, lookup))
+        events.append(
+            CacheEvent(
+                r.start_step, True, r.request_id, r.tenant, salt, prompt, len(prompt) // block_size
+            )
         )
-        hashes = chain_hashes(tokens, block_size, scope, 0, len(tokens) // block_size, None)
-        if what == "start":
-            most = (len(tokens) - 1) // block_size
-            hit = 0
-            while hit < most and hashes[hit] in seen:
-                hit += 1
-            hits[rid] = hit * block_size
-        seen.update(hashes)
-    return hits
+        if r.finish_step >= 0:
+            full = result.finished_tokens[r.request_id]
+            done = (len(full) - 1) // block_size
+            events.append(CacheEvent(r.finish_step, True, r.request_id, r.tenant, salt, full, done))
+    return unbounded_hits(events, policy, block_size, public)
 
 
 def summary(records: list[RequestRecord]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvd.experiments import bytes as bytes_
 from kvd.experiments import crossover, floor, fragmentation, isolation, prefix
-from kvd.experiments.results import ExperimentResult, Say, render_table, write
+from kvd.experiments.results import ExperimentResult, Say, load, render_table, write
 
 EXPERIMENTS: dict[str, Callable[[Path, bool, Say], ExperimentResult]] = {
     "bytes": bytes_.run,
@@ -31,10 +31,152 @@ TITLES = {
 }
 
 
-def run_one(name: str, out: Path, quick: bool, say: Say) -> ExperimentResult:
+def seed_comparison(results: list[ExperimentResult]) -> list[str]:
+    """Where the seed's estimates held and where they did not, from the figures."""
+    by = {r.name: r.data for r in results}
+    lines: list[str] = []
+    if "bytes" in by:
+        seed = by["bytes"]["pools"][1]
+        lines.append(
+            "**Bytes per token: held.** The seed's formula gives Gemma 4 12B 128 KiB/token on "
+            "global layers and 320 KiB on sliding ones at bf16; kvd's layout spends "
+            f"{seed['allocated_bytes_per_token'] / 1024:,.1f} KiB per token of the pool "
+            f"({100 * seed['overhead']:+.2f}% with block tables)."
+        )
+    if "floor" in by:
+        points = by["floor"]["curves"][0]["points"]
+        short, mid = points[0], next((p for p in points if p["length"] == 512), points[-1])
+        verdict = (
+            "an artefact of eager windows" if short["kvd"] > 12 else "held, even with lazy windows"
+        )
+        lines.append(
+            f"**The ~12-sequence ceiling: {verdict}.** The seed's 320 MiB floor "
+            "per sequence caps Gemma 4 12B at 12 sequences in 3.8 GiB before any global-layer "
+            f"token; kvd allocates windows lazily and fits {short['kvd']:,} concurrent "
+            f"{short['length']}-token sequences ({short['eager']} eager) and {mid['kvd']} of "
+            f"{mid['length']} tokens ({mid['eager']} eager). From the window's length on, the "
+            "two agree: a long sequence does pay the whole window."
+        )
+    if "prefix" in by:
+        runs = {(r["where"], r["policy"], r["salts"]): r for r in by["prefix"]["runs"]}
+        core = runs.get(("kv-core", "public", False))
+        live = runs.get(("daemon", "public", False))
+        if core and live:
+            hit = live["hit_rate"]
+            verdict = prefix.hit_verdict(hit)
+            lines.append(
+                f"**Prefix caching: {verdict}.** Under `public`, {100 * hit:.0f}% of prompt "
+                "tokens hit on "
+                f"the real daemon and {100 * core['hit_rate']:.0f}% at 12B in 3.8 GiB (ideal "
+                f"{100 * core['ideal_hit_rate']:.0f}%, an unbounded cache that keeps every block; "
+                "a 3.8 GiB pool holds a few 12B sequences and evicts the rest). Published "
+                "production figures: 40-59% (Mooncake), 54-62% with an unbounded cache (Bailian)."
+            )
+    if "fragmentation" in by:
+        b16 = next(b for b in by["fragmentation"]["blocks"] if b["block_size"] == 16)
+        removes = b16["paged_utilisation"] > b16["contiguous_utilisation"]
+        lines.append(
+            "**Fragmentation: the seed's 20-40% describes contiguous reservation"
+            + (", and paging removes it.** " if removes else ".** ")
+            + "A contiguous allocator on the same trace keeps "
+            f"{100 * b16['contiguous_utilisation']:.0f}% of its bytes live reserving prompt + "
+            f"2,000 tokens and {100 * b16['context_utilisation']:.0f}% reserving the context; "
+            f"kvd's pages keep {100 * b16['paged_utilisation']:.1f}% live. The waste is "
+            f"{b16['waste_blocks_per_sequence_group']:.2f} blocks per sequence per page group: "
+            "a partly filled last block, and on sliding groups a first block partly out of the "
+            "window, so 'one partly filled block per sequence' is per page group, and sliding "
+            "groups can hold a second."
+        )
+    if "crossover" in by:
+        data = by["crossover"]
+        cross = data["model_crossover_tokens"]
+        measured = data["measured_crossover_tokens"]
+        held = measured is None
+        explanation = ""
+        if not held and data["device"].startswith("cpu"):
+            explanation = (
+                ": host memory is the device's memory on a CPU, so a copy is cheap next to a "
+                "prefill"
+            )
+        lines.append(
+            "**Recompute vs swap: the seed expected recompute to win; "
+            + ("on this machine it did.** " if held else "on this machine it did not.** ")
+            + f"On {data['device']} "
+            + (
+                f"swap was measured cheaper at every length from {measured:,} tokens"
+                if measured is not None
+                else "recompute was measured cheaper at every length"
+            )
+            + (
+                f", and the cost model switches at {cross:,} tokens"
+                if cross is not None
+                else ", and the cost model never swaps"
+            )
+            + explanation
+            + "."
+            + (
+                " On a TPU, where a copy crosses PCIe and prefill runs on the MXU, the same "
+                "experiment settles it there (`kvd experiment crossover --tag NAME` runs on any "
+                "JAX device; copy its files here and the report includes them)."
+                if not data["device"].startswith("tpu")
+                else ""
+            )
+        )
+    if "isolation" in by:
+        modes = {r["mode"]: r for r in by["isolation"]["runs"]}
+        reserve, free = modes.get("reserve"), modes.get("free")
+        if reserve and free:
+            held = (
+                reserve["queue_steps_max"] <= free["queue_steps_max"]
+                and reserve["ttft_flood_p50_s"] <= free["ttft_flood_p50_s"]
+                and not reserve["preempted"].get("inter")
+            )
+            lines.append(
+                f"**Reservation + burst under an abusive tenant: isolation "
+                f"{'held' if held else 'did not fully hold'}.** The reserved "
+                f"tenant's TTFT p50 was {reserve['ttft_flood_p50_s']:.2f} s under the flood "
+                f"(idle {reserve['ttft_idle_p50_s']:.2f} s, at most "
+                f"{reserve['queue_steps_max']} queued steps) against "
+                f"{free['ttft_flood_p50_s']:.2f} s and {free['queue_steps_max']} steps in "
+                "`free` mode; its outputs "
+                + ("equalled" if reserve["outputs_equal_idle"] else "did not equal")
+                + " the idle run's, and it was preempted "
+                + f"{sum(reserve['preempted'].get('inter', {}).values())} times."
+            )
+    return lines
+
+
+def run_one(
+    name: str, out: Path, quick: bool, say: Say, tag: str | None = None
+) -> ExperimentResult:
+    """Run one experiment into ``out``; a ``tag`` (e.g. the device it ran on)
+    names its files NAME-TAG, so a run elsewhere can be copied beside this
+    machine's and the report includes it."""
     result = EXPERIMENTS[name](out, quick, say)
+    if tag:
+        tagged = f"{name}-{tag}"
+        renamed = []
+        for plot in result.plots:
+            target = plot.replace(name, tagged, 1)
+            (out / plot).replace(out / target)
+            renamed.append(target)
+        result.name, result.plots = tagged, renamed
     write(result, out)
     return result
+
+
+def tagged_results(out: Path) -> list[ExperimentResult]:
+    """Results of runs elsewhere (NAME-TAG.json) copied into ``out``."""
+    found = []
+    for name in EXPERIMENTS:
+        found += [load(path) for path in sorted(out.glob(f"{name}-*.json"))]
+    return found
+
+
+def _title(name: str) -> str:
+    base, _, tag = name.partition("-")
+    title = TITLES.get(base, base)
+    return f"{title} (run tagged {tag})" if tag else title
 
 
 def markdown(results: list[ExperimentResult], command: str) -> str:
@@ -49,9 +191,13 @@ def markdown(results: list[ExperimentResult], command: str) -> str:
         "Every figure below comes from that run; the JSON beside each plot holds them all.",
         "",
     ]
+    comparison = seed_comparison(results)
+    if comparison:
+        lines += ["## Where the seed held, and where it did not", ""]
+        lines += [f"- {line}" for line in comparison] + [""]
     for r in results:
         lines += [
-            f"## {TITLES.get(r.name, r.name)}",
+            f"## {_title(r.name)}",
             "",
             f"*The seed's question:* {r.question}.",
             "",
@@ -72,6 +218,7 @@ def run_report(out: Path, quick: bool, say: Say, command: str) -> Path:
     for name in EXPERIMENTS:
         say(f"== {name}")
         results.append(run_one(name, out, quick, say))
+    results += tagged_results(out)
     path = out / "README.md"
     path.write_text(markdown(results, command))
     return path

@@ -4,16 +4,19 @@ Each figure below is from a source, cited where it is used:
 
 - LMSYS-Chat-1M (Zheng et al., ICLR 2024, arXiv 2309.11998, Table 1): 2.0
   turns per conversation, 69.5 tokens per user prompt, 214.5 per response.
+  CachedAttention (Gao et al., USENIX ATC 2024): 73% of ShareGPT
+  conversations are multi-turn. A chat session here is multi-turn with
+  probability 0.73, and its turns average 2.0.
 - Azure LLM inference trace 2023 (Patel et al., "Splitwise", ISCA 2024;
   github.com/Azure/AzurePublicDataset): conversation requests have a median
-  prompt of 1,020 tokens and a median output of 129.
+  prompt of 1,020 tokens and a median output of 129 (mean 211): one-shot
+  outputs are lognormal with that median and sigma 1.0 (mean 213).
 - Mooncake (Qin et al., FAST 2025, Table 2): production prompts average
   7,590-12,035 tokens, outputs 182-343, and 40-59% of prompt tokens hit an
-  ample cache; CachedAttention (Gao et al., USENIX ATC 2024): 73% of ShareGPT
-  conversations are multi-turn, and resent history is most of a late turn's
-  prefill; Alibaba Bailian ("KVCache Cache in the Wild", Wang et al., USENIX
-  ATC 2025): reuse across single-turn requests (shared system prompts,
-  documents) matters as much as multi-turn reuse.
+  ample cache; Alibaba Bailian ("KVCache Cache in the Wild", Wang et al.,
+  USENIX ATC 2025): reuse across single-turn requests (shared system
+  prompts, documents) matters as much as multi-turn reuse, about 54-62% of
+  tokens with an unbounded cache.
 - BurstGPT (Wang et al., KDD 2025, arXiv 2401.17644): Gamma-distributed
   inter-arrival times (bursty, not Poisson); vLLM's benchmarks (Kwon et al.,
   SOSP 2023) use Poisson.
@@ -40,6 +43,7 @@ import numpy as np
 
 # Sources for the defaults, by field (see the module docstring).
 LMSYS_TURNS_MEAN = 2.0
+SHAREGPT_MULTI_TURN = 0.73
 LMSYS_USER_TOKENS = 69.5
 LMSYS_REPLY_TOKENS = 214.5
 AZURE_CONV_PROMPT_MEDIAN = 1020
@@ -85,7 +89,8 @@ class WorkloadShape(msgspec.Struct, frozen=True):
     platform_tokens: int = 256
     user_tokens: float = LMSYS_USER_TOKENS
     reply_tokens: float = LMSYS_REPLY_TOKENS
-    turns_mean: float = LMSYS_TURNS_MEAN
+    turns_mean: float = LMSYS_TURNS_MEAN  # per chat session
+    multi_turn: float = SHAREGPT_MULTI_TURN  # chats with more than one turn
     document_tokens: float = 1500.0  # median; lognormal sigma 0.6
     oneshot_tokens: float = AZURE_CONV_PROMPT_MEDIAN  # median; lognormal sigma 0.8
     oneshot_output: float = AZURE_CONV_OUTPUT_MEDIAN
@@ -94,7 +99,7 @@ class WorkloadShape(msgspec.Struct, frozen=True):
     zipf: float = 1.1  # document popularity exponent
     burstiness: float = 0.5  # Gamma shape of inter-arrival times (1 = Poisson)
     scale: float = 1.0  # every token length multiplied by this
-    max_reply: int = 512
+    max_reply: int = 512  # a cap on every reply (trims LMSYS's 214.5 mean to about 194)
     seed: int = 0
 
 
@@ -147,15 +152,16 @@ def generate(shape: WorkloadShape) -> list[Session]:
             )
         if kind == "oneshot":
             prompt = scaled(rng.lognormal(math.log(shape.oneshot_tokens), 0.8))
+            output = rng.lognormal(math.log(shape.oneshot_output), 1.0)
             turns = [
                 Turn(
                     Segment("oneshot", f"{sid}-q", prompt),
-                    _reply(rng, shape.oneshot_output, shape, scaled),
+                    min(shape.max_reply, scaled(output)),
                     0.0,
                 )
             ]
         else:
-            count = int(rng.geometric(1.0 / shape.turns_mean)) if kind == "chat" else 1
+            count = _chat_turns(rng, shape) if kind == "chat" else 1
             turns = [
                 Turn(
                     Segment("user", f"{sid}-t{t}", scaled(rng.exponential(shape.user_tokens))),
@@ -178,6 +184,15 @@ class _Scaler:
 
 def _reply(rng: np.random.Generator, mean: float, shape: WorkloadShape, scaled: _Scaler) -> int:
     return min(shape.max_reply, scaled(rng.exponential(mean)))
+
+
+def _chat_turns(rng: np.random.Generator, shape: WorkloadShape) -> int:
+    """One turn, or (with probability ``multi_turn``) 1 + a geometric number
+    of turns, so that chats average ``turns_mean``."""
+    if rng.random() >= shape.multi_turn:
+        return 1
+    extra_mean = (shape.turns_mean - 1) / shape.multi_turn
+    return 1 + int(rng.geometric(1.0 / extra_mean))
 
 
 def _zipf_pick(rng: np.random.Generator, n: int, exponent: float) -> int:

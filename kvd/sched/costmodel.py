@@ -39,6 +39,11 @@ class Rates(msgspec.Struct, frozen=True):
     attention_s_per_pair: float = 0.0  # per (query token, earlier key it sees)
     chunk_tokens: int = 512  # a step's most tokens: a long prefill takes several steps
     token_buckets: tuple[int, ...] = ()
+    # Sliding groups hold pages too (a window's worth each): with these,
+    # ``pages_for`` counts a victim's pages as the KV core does.
+    block_size: int = 0
+    sliding_groups: int = 0
+    window: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -86,13 +91,23 @@ class Rates(msgspec.Struct, frozen=True):
     def swap_s(self, pages: int) -> float:
         return 2 * (self.copy_fixed_s + pages * self.copy_s_per_page)
 
+    def pages_for(self, tokens: int) -> int:
+        """The pages a swap copies for a ``tokens``-token sequence, nothing shared."""
+        if not self.block_size:
+            return max(1, round(tokens * self.pages_per_token))
+        block = self.block_size
+        blocks = -(-tokens // block)
+        global_groups = round(self.pages_per_token * block)
+        # Between steps a sliding group holds the blocks its next query sees.
+        sliding = (tokens - 1) // block - max(0, tokens - self.window + 1) // block + 1
+        return global_groups * blocks + self.sliding_groups * max(0, sliding)
+
     def crossover_tokens(self, limit: int = 1 << 20) -> int | None:
         """Sequence length (nothing cached) from which swapping is cheaper;
         None if recompute wins up to ``limit`` tokens."""
 
         def swap_wins(tokens: int) -> bool:
-            pages = max(1, round(tokens * self.pages_per_token))
-            return self.swap_s(pages) < self.recompute_s(tokens)
+            return self.swap_s(self.pages_for(tokens)) < self.recompute_s(tokens)
 
         low = 1
         if swap_wins(low):
@@ -195,4 +210,7 @@ def measure_rates(executor: Executor, repeats: int = 3) -> Rates:
         attention_s_per_pair=attention,
         chunk_tokens=limits.max_num_batched_tokens,
         token_buckets=limits.token_buckets,
+        block_size=layout.block_size,
+        sliding_groups=len(layout.groups) - global_groups,
+        window=layout.geometry.window or 0,
     )

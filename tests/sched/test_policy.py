@@ -410,3 +410,20 @@ def test_a_swap_victim_that_shares_pages_is_recomputed() -> None:
     assert two.state is RequestState.WAITING  # recomputed, though swap is configured
     run.drain()
     assert run.outputs["two"] == expected(base + [4], 12)
+
+
+def test_the_crossover_counts_a_victims_pages_as_the_kv_core_does() -> None:
+    """Sliding groups hold pages too: the crossover prices the pages a swap
+    really copies, not the global groups' alone."""
+    executor = make_executor(pages=400)
+    rates = measure_rates(executor, repeats=1)
+    kv = KVManager(executor.layout, executor.num_pages, mode=BudgetMode.FREE)
+    kv.set_tenant("t", TenantBudget())
+    for n in (1, 3, 4, 5, 8, 9, 17, 40, 63):
+        seq = kv.add_sequence(n, "t", list(range(5, 5 + n + 1)))
+        while seq.num_computed < n:
+            step = min(4, n - seq.num_computed)
+            kv.allocate(seq, step)
+            kv.commit(seq, step)
+        assert kv.swap_out_pages(seq) == rates.pages_for(n), n
+        kv.finish(seq)
