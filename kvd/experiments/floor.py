@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from kvd.experiments.results import ExperimentResult, Say, new_result, pyplot, save_plot, timed
-from kvd.kv.capacity import bytes_per_token, eager_capacity, max_sequences
+from kvd.kv.capacity import bytes_per_token, capacity_report, eager_capacity, max_sequences
 from kvd.kv.geometry import KVGeometry, preset
 from kvd.kv.layout import build_layout
 from kvd.units import parse_size
@@ -104,7 +104,11 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
                         f"{p.kvd / p.eager:.1f}x" if p.eager else "-",
                     ]
                 )
-        result.data = {"curves": msgspec.to_builtins(curves)}
+        capacity = capacity_report(seed, parse_size(SEED_POOL))
+        result.data = {
+            "curves": msgspec.to_builtins(curves),
+            "seed_pool": msgspec.to_builtins(capacity),  # what `kvctl capacity` prints
+        }
         seed_curve = curves[0]
         short = seed_curve.points[0]
         at_window = next(

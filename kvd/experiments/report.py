@@ -57,6 +57,17 @@ def seed_comparison(results: list[ExperimentResult]) -> list[str]:
             f"{mid['length']} tokens ({mid['eager']} eager). From the window's length on, the "
             "two agree: a long sequence does pay the whole window."
         )
+        pool = by["floor"].get("seed_pool")
+        if pool:
+            eager, kvd = pool["eager"], pool["kvd"]
+            lines.append(
+                f"**Tokens in the pool: held.** The seed's ~8,894 tokens in all and "
+                f"~28,570-token longest sequence: by its formula {eager['total_tokens']:,} and "
+                f"{eager['longest_sequence_tokens']:,}; kvd's allocator holds "
+                f"{kvd['total_tokens']:,} tokens as one-block sequences (short sequences "
+                f"skip the window) and a {kvd['longest_sequence_tokens']:,}-token sequence "
+                "(whole blocks)."
+            )
     if "prefix" in by:
         runs = {(r["where"], r["policy"], r["salts"]): r for r in by["prefix"]["runs"]}
         core = runs.get(("kv-core", "public", False))
