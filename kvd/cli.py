@@ -419,26 +419,41 @@ EXPERIMENT_NAMES = ("bytes", "floor", "prefix", "fragmentation", "crossover", "i
     "--tag", help="Name the files NAME-TAG (e.g. crossover-tpu_v5e): a run on another device, "
     "to copy beside this machine's; `report` includes every NAME-TAG.json in OUT.",
 )  # fmt: skip
+@click.option(
+    "--from-json", is_flag=True,
+    help="report: rebuild OUT/README.md from the JSON already in OUT, measuring nothing.",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def experiment(name: str, out: str, quick: bool, tag: str | None, as_json: bool) -> None:
+def experiment(
+    name: str, out: str, quick: bool, tag: str | None, from_json: bool, as_json: bool
+) -> None:
     """The seed's six capacity questions, answered on this machine.
 
     NAME is one experiment (bytes, floor, prefix, fragmentation, crossover,
     isolation) or `report`: all six, then OUT/README.md with every plot.
     Each writes OUT/NAME.json and OUT/NAME.png and prints its table.
     """
-    from kvd.experiments.report import run_one, run_report
+    from kvd.experiments.report import render_report, run_one, run_report
     from kvd.experiments.results import render
 
     def say(text: str) -> None:
         click.echo(text, err=True)
 
     target = Path(out)
+    if from_json and name != "report":
+        raise click.BadParameter("only the report is rebuilt from JSON", param_hint="--from-json")
     if tag is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.]*", tag):
         raise click.BadParameter("letters, digits, '_' and '.' only", param_hint="--tag")
     if name == "report":
         if tag is not None:
             raise click.BadParameter("tag one experiment, not the report", param_hint="--tag")
+        if from_json:
+            try:
+                path = render_report(target, f"kvd experiment report --out {out}")
+            except FileNotFoundError as exc:
+                fail(str(exc))
+            click.echo(f"report: {path}")
+            return
         command = f"kvd experiment report --out {out}" + (" --quick" if quick else "")
         path = run_report(target, quick, say, command)
         click.echo(f"report: {path}")

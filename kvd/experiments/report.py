@@ -64,9 +64,8 @@ def seed_comparison(results: list[ExperimentResult]) -> list[str]:
                 f"**Tokens in the pool: held.** The seed's ~8,894 tokens in all and "
                 f"~28,570-token longest sequence: by its formula {eager['total_tokens']:,} and "
                 f"{eager['longest_sequence_tokens']:,}; kvd's allocator holds "
-                f"{kvd['total_tokens']:,} tokens as one-block sequences (short sequences "
-                f"skip the window) and a {kvd['longest_sequence_tokens']:,}-token sequence "
-                "(whole blocks)."
+                f"{kvd['total_tokens']:,} tokens as {kvd['block_size']}-token sequences and a "
+                f"{kvd['longest_sequence_tokens']:,}-token sequence (whole pages and blocks)."
             )
     if "prefix" in by:
         runs = {(r["where"], r["policy"], r["salts"]): r for r in by["prefix"]["runs"]}
@@ -222,6 +221,19 @@ def markdown(results: list[ExperimentResult], command: str) -> str:
             [""] + [f"- {n}" for n in r.notes] + ["", f"({r.seconds:.0f} s; `{r.name}.json`)", ""]
         )
     return "\n".join(lines)
+
+
+def render_report(out: Path, command: str) -> Path:
+    """The report again from the JSON already in ``out`` (after a tagged run
+    from another device was copied in, say); nothing is measured."""
+    results = [
+        load(out / f"{name}.json") for name in EXPERIMENTS if (out / f"{name}.json").is_file()
+    ]
+    if not results:
+        raise FileNotFoundError(f"no experiment results (NAME.json) in {out}")
+    path = out / "README.md"
+    path.write_text(markdown(results + tagged_results(out), command))
+    return path
 
 
 def run_report(out: Path, quick: bool, say: Say, command: str) -> Path:

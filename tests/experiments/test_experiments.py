@@ -194,3 +194,14 @@ def test_a_tagged_run_from_another_device_joins_the_report(tmp_path: Path) -> No
     assert found.name == "floor-tpu_v5e" and found.plots == ["floor-tpu_v5e.png"]
     text = markdown([found], "test")
     assert "run tagged tpu_v5e" in text and "](floor-tpu_v5e.png)" in text
+    # The report rebuilt from the JSON: this machine's result and the tagged one.
+    alone = runner.invoke(cli, ["experiment", "report", "--from-json", "--out", str(tmp_path)])
+    assert alone.exit_code == 2 and "no experiment results" in alone.output
+    assert (
+        runner.invoke(cli, ["experiment", "floor", "--quick", "--out", str(tmp_path)]).exit_code
+        == 0
+    )
+    rebuilt = runner.invoke(cli, ["experiment", "report", "--from-json", "--out", str(tmp_path)])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    report = (tmp_path / "README.md").read_text()
+    assert "](floor.png)" in report and "](floor-tpu_v5e.png)" in report
