@@ -351,6 +351,10 @@ def bench_http(
     "--mode", type=click.Choice(["reserve", "static", "free"]), default="reserve",
     show_default=True, help="The daemon's budget mode (static: the flooder holds 70%).",
 )  # fmt: skip
+@click.option(
+    "--flood-tier", type=click.Choice(["batch", "interactive"]), default="batch",
+    show_default=True, help="The flooder's tier (interactive: an abuser at the victim's tier).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_flood(
     model: str,
@@ -361,6 +365,7 @@ def bench_flood(
     no_target: bool,
     pool: str,
     mode: str,
+    flood_tier: str,
     as_json: bool,
 ) -> None:
     """Time isolation: a reserved interactive tenant under a batch tenant's flood."""
@@ -374,6 +379,7 @@ def bench_flood(
         None if no_target else target_step_ms,
         pool,
         mode=mode,
+        flood_tier=flood_tier,
         log=lambda t: click.echo(t, err=True),
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))

@@ -32,6 +32,7 @@ class FloodReport(msgspec.Struct, frozen=True):
     machine: str
     model: str
     mode: str
+    flood_tier: str
     target_step_ms: float | None
     flood_requests: int
     flood_prompt_tokens: int
@@ -53,7 +54,13 @@ class FloodReport(msgspec.Struct, frozen=True):
 
 
 def _config(
-    model: str, max_model_len: int, pool: str, target: float | None, sock: str, mode: str
+    model: str,
+    max_model_len: int,
+    pool: str,
+    target: float | None,
+    sock: str,
+    mode: str,
+    flood_tier: str,
 ) -> str:
     target_line = f"target_step_ms = {target}" if target is not None else ""
     # Static partitions hold nothing beyond a reservation: the flooder gets the rest.
@@ -85,7 +92,7 @@ mode = "{mode}"
 [[tenants]]
 name = "bulk"
 api_key_sha256 = "{hashlib.sha256(BULK_KEY.encode()).hexdigest()}"
-tier = "batch"
+tier = "{flood_tier}"
 reservation = "{bulk_reservation}"
 max_queue = 64
 
@@ -117,6 +124,7 @@ def run_flood_bench(
     pool: str = "256MiB",
     max_model_len: int = 2048,
     mode: str = "reserve",
+    flood_tier: str = "batch",
     log: Callable[[str], None] = lambda _text: None,
 ) -> FloodReport:
     from kvd.engine.loader import load_model
@@ -130,7 +138,7 @@ def run_flood_bench(
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "flood.toml"
         config.write_text(
-            _config(model, max_model_len, pool, target_step_ms, f"{tmp}/a.sock", mode)
+            _config(model, max_model_len, pool, target_step_ms, f"{tmp}/a.sock", mode, flood_tier)
         )
         log(f"starting kvd serve ({model}), target_step_ms={target_step_ms}")
         daemon = LoggedDaemon(config)
@@ -138,7 +146,7 @@ def run_flood_bench(
             url = daemon.wait_ready()
             log("idle run: the interactive requests alone")
             idle = [_complete(url, INTER_KEY, p, 8) for p in inter_prompts]
-            log(f"flood: {flood_requests} x ~{prompt_tokens} tokens from the batch tenant")
+            log(f"flood: {flood_requests} x ~{prompt_tokens} tokens from the flooding tenant")
             flood_done: list[float] = []
             flood_started = time.monotonic()
             mark = len(daemon.events)
@@ -181,6 +189,7 @@ def run_flood_bench(
         machine=machine_description(),
         model=model,
         mode=mode,
+        flood_tier=flood_tier,
         target_step_ms=target_step_ms,
         flood_requests=flood_requests,
         flood_prompt_tokens=prompt_tokens,
@@ -206,10 +215,10 @@ def render(report: FloodReport) -> str:
     target = report.target_step_ms
     return "\n".join(
         [
-            "kvd bench flood: a batch tenant floods, a reserved interactive tenant sends "
+            "kvd bench flood: one tenant floods, a reserved interactive tenant sends "
             "short greedy requests",
             f"machine: {report.machine}; model {report.model}; budget mode {report.mode}; "
-            f"target_step_ms {target}",
+            f"flood tier {report.flood_tier}; target_step_ms {target}",
             f"flood: {report.flood_requests} x {report.flood_prompt_tokens}-token prompts, "
             f"{report.flood_completed} completed in {report.flood_seconds} s",
             f"interactive ({report.interactive_requests} requests): TTFT p50/max idle "

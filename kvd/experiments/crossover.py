@@ -147,7 +147,7 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
             "model swap ms",
             "measured winner",
             "model's pick",
-            "resume ok",
+            "swap restored",
         ],
     )
     with timed(result):

@@ -1,8 +1,9 @@
 """Question 6, whether reservation + burst holds isolation under a
 deliberately abusive tenant: `kvd bench flood` on the real 270M under each
-budget mode. A batch-tier tenant floods concurrent long prompts; an
-interactive tenant with a 30% reservation sends short greedy requests one
-after another, first on the idle daemon, then under the flood. From the
+budget mode. The abuser floods concurrent long prompts at the victim's own
+tier (an abusive tenant does not label itself batch: tiers cannot help, only
+the budget can); the victim, with a 30% reservation, sends short greedy
+requests one after another, first on the idle daemon, then under the flood. From the
 daemon's own logs: the steps each interactive request queued, preemptions by
 tenant and kind; from the client: TTFT, and whether the outputs equal the
 idle run's. In `static` mode the flooder holds a 70% partition (a static
@@ -54,6 +55,7 @@ def run(out: Path, quick: bool, say: Say, model: str | None = None) -> Experimen
                     pool="32MiB" if quick else "128MiB",
                     max_model_len=2048,
                     mode=mode,
+                    flood_tier="interactive",
                     log=lambda text: say(f"  {text}"),
                 )
             )

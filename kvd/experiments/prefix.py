@@ -241,8 +241,10 @@ def daemon_ideal(
     played: list[_Played], tokenizer: Any, policy: SharingPolicy, platform: str, block: int = 16
 ) -> int:
     """Hit tokens of an unbounded cache over what the daemon was sent: prompts
-    tokenized as the daemon does, each looked up when it was sent, its blocks
-    cached from its first token on, and its prompt + reply's once finished."""
+    tokenized as the daemon does, each looked up when it was sent and its
+    blocks cached from then on (the daemon caches a prompt's chunks as they
+    are computed, which a client cannot see: this errs generous), and its
+    prompt + reply's once finished."""
     events = []
     for i, p in enumerate(played):
         if p.error is not None:
@@ -252,9 +254,7 @@ def daemon_ideal(
         full = tokenizer.encode(p.prompt_text + p.reply_text)
         events += [
             CacheEvent(p.started, False, rid, p.tenant, p.salt, prompt, (len(prompt) - 1) // block),
-            CacheEvent(
-                p.started + p.ttft_s, True, rid, p.tenant, p.salt, prompt, len(prompt) // block
-            ),
+            CacheEvent(p.started, True, rid, p.tenant, p.salt, prompt, len(prompt) // block),
             CacheEvent(p.finished, True, rid, p.tenant, p.salt, full, (len(full) - 1) // block),
         ]
     public = tokenizer.encode(platform) if policy is not SharingPolicy.ISOLATED else None
