@@ -123,10 +123,14 @@ class _Runner:
 
 
 def device_description() -> str:
+    """The device JAX computes on, e.g. "CPU (JAX 0.10.2)" or "TPU v5 lite (JAX ...)"."""
     import jax
 
     device = jax.devices()[0]
-    return f"{device.platform}: {getattr(device, 'device_kind', device)} (jax {jax.__version__})"
+    platform = device.platform.upper()
+    kind = str(getattr(device, "device_kind", ""))
+    name = platform if kind.lower() in ("", device.platform) else f"{platform} {kind}"
+    return f"{name} (JAX {jax.__version__}, {jax.device_count()} device(s))"
 
 
 def run(out: Path, quick: bool, say: Say) -> ExperimentResult:

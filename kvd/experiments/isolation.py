@@ -79,16 +79,13 @@ def run(out: Path, quick: bool, say: Say, model: str | None = None) -> Experimen
         result.data = {"model": model, "runs": msgspec.to_builtins(reports)}
         by = {r.mode: r for r in reports}
         inter_preempted = {m: sum(r.preempted.get("inter", {}).values()) for m, r in by.items()}
-        result.answer = (
-            "under `reserve` the reserved tenant's TTFT p50 was "
-            f"{by['reserve'].ttft_flood_p50_s:.2f} s "
-            f"(idle {by['reserve'].ttft_idle_p50_s:.2f} s), it queued at most "
-            f"{by['reserve'].queue_steps_max} steps and was preempted "
-            f"{inter_preempted['reserve']} times; `free`: {by['free'].ttft_flood_p50_s:.2f} s, "
-            f"{by['free'].queue_steps_max} steps, {inter_preempted['free']} preemptions; "
-            f"`static`: {by['static'].ttft_flood_p50_s:.2f} s, {by['static'].queue_steps_max} "
-            f"steps; outputs equal the idle run's: "
-            + ", ".join(f"{m} {'yes' if r.outputs_equal_idle else 'no'}" for m, r in by.items())
+        result.answer = "; ".join(
+            f"`{m}`: the victim's first token after at most {r.ttft_flood_max_s:.2f} s "
+            f"(p50 {r.ttft_flood_p50_s:.2f} s, idle {r.ttft_idle_p50_s:.2f} s), at most "
+            f"{r.queue_steps_max} queued steps, {inter_preempted[m]} preemptions, outputs "
+            + ("equal to" if r.outputs_equal_idle else "different from")
+            + " the idle run's"
+            for m, r in by.items()
         )
         result.notes.append(
             f"{reports[0].flood_requests} flood prompts of {reports[0].flood_prompt_tokens} tokens "

@@ -103,7 +103,7 @@ def seed_comparison(results: list[ExperimentResult]) -> list[str]:
         measured = data["measured_crossover_tokens"]
         held = measured is None
         explanation = ""
-        if not held and data["device"].startswith("cpu"):
+        if not held and data["device"].lower().startswith("cpu"):
             explanation = (
                 ": host memory is the device's memory on a CPU, so a copy is cheap next to a "
                 "prefill"
@@ -128,7 +128,7 @@ def seed_comparison(results: list[ExperimentResult]) -> list[str]:
                 " On a TPU, where a copy crosses PCIe and prefill runs on the MXU, the same "
                 "experiment settles it there (`kvd experiment crossover --tag NAME` runs on any "
                 "JAX device; copy its files here and the report includes them)."
-                if not data["device"].startswith("tpu")
+                if not data["device"].lower().startswith("tpu")
                 else ""
             )
         )
@@ -138,20 +138,21 @@ def seed_comparison(results: list[ExperimentResult]) -> list[str]:
         if reserve and free:
             held = (
                 reserve["queue_steps_max"] <= free["queue_steps_max"]
-                and reserve["ttft_flood_p50_s"] <= free["ttft_flood_p50_s"]
+                and reserve["ttft_flood_max_s"] <= free["ttft_flood_max_s"]
                 and not reserve["preempted"].get("inter")
             )
             lines.append(
                 f"**Reservation + burst under an abusive tenant: isolation "
-                f"{'held' if held else 'did not fully hold'}.** The reserved "
-                f"tenant's TTFT p50 was {reserve['ttft_flood_p50_s']:.2f} s under the flood "
-                f"(idle {reserve['ttft_idle_p50_s']:.2f} s, at most "
-                f"{reserve['queue_steps_max']} queued steps) against "
-                f"{free['ttft_flood_p50_s']:.2f} s and {free['queue_steps_max']} steps in "
-                "`free` mode; its outputs "
+                f"{'held' if held else 'did not hold'}.** With the abuser at the victim's own "
+                "tier, the reserved tenant's slowest first token under the flood came after "
+                f"{reserve['ttft_flood_max_s']:.2f} s (p50 {reserve['ttft_flood_p50_s']:.2f} s, "
+                f"idle {reserve['ttft_idle_p50_s']:.2f} s), at most {reserve['queue_steps_max']} "
+                f"queued steps, against {free['ttft_flood_max_s']:.2f} s and "
+                f"{free['queue_steps_max']} steps in `free` mode (first come, first served: "
+                "behind the whole flood). It was preempted "
+                f"{sum(reserve['preempted'].get('inter', {}).values())} times and its outputs "
                 + ("equalled" if reserve["outputs_equal_idle"] else "did not equal")
-                + " the idle run's, and it was preempted "
-                + f"{sum(reserve['preempted'].get('inter', {}).values())} times."
+                + " the idle run's."
             )
     return lines
 
