@@ -193,9 +193,9 @@ class Scheduler(TokenHandling):
         then the smallest virtual counter (free mode: the oldest). ``blocked``
         tenants' queues wait for the next step; their running work does not."""
         best: Request | None = None
-        best_key: tuple[int, float, str] | None = None
+        best_key: tuple[int, float, int, str] | None = None
         free = self.kv.ledger.mode is BudgetMode.FREE
-        counters = self.counters.counters
+        counters = self.counters
         for tenant in own.keys() | self.queues.keys():
             mine = own.get(tenant)
             while mine and mine[0][0].state is not mine[0][1]:
@@ -206,7 +206,8 @@ class Scheduler(TokenHandling):
                 head = queue[0]
             if head is None:
                 continue
-            key = (head.tier, head.arrival if free else counters.get(tenant, 0.0), tenant)
+            order = (head.arrival, 0) if free else counters.key(tenant)
+            key = (head.tier, *order, tenant)
             if best_key is None or key < best_key:
                 best, best_key = head, key
         return best

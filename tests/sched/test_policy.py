@@ -13,6 +13,7 @@ from kvd.kv.manager import KVManager
 from kvd.kv.scope import SharingPolicy
 from kvd.sched.costmodel import Rates, measure_rates
 from kvd.sched.executor import ExecutorLimits
+from kvd.sched.fairshare import VirtualCounters
 from kvd.sched.preemption import RECOMPUTE, SWAP, preemption_kind
 from kvd.sched.requests import RequestState
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
@@ -306,10 +307,11 @@ def test_hit_counters_count_a_request_once() -> None:
 
 
 def flood(
-    target_ms: float | None,
+    target_ms: float | None, flood_tier: str = "batch"
 ) -> tuple[Scheduler, dict[str, int], dict[str, list[int]], list[float]]:
-    """A batch-tier tenant with no reservation floods long prompts; an
-    interactive one with a reservation sends short greedy requests."""
+    """A tenant with no reservation (batch tier unless ``flood_tier`` says
+    otherwise) floods long prompts; an interactive one with a reservation
+    sends short greedy requests."""
     limits = ExecutorLimits(
         max_model_len=128,
         max_num_seqs=8,
@@ -324,7 +326,7 @@ def flood(
         rates=rates(executor),
         clock=Clock(),
     )
-    scheduler.set_tenant(TenantConfig("bulk", tier="batch", max_queue=64))
+    scheduler.set_tenant(TenantConfig("bulk", tier=flood_tier, max_queue=64))
     scheduler.set_tenant(TenantConfig("inter", reservation_pages=45))
     for i in range(24):
         scheduler.submit(f"bulk-{i}", "bulk", prompt(100 + i, 90), greedy(20))
@@ -348,11 +350,14 @@ def flood(
     return scheduler, starts, outputs, predicted
 
 
-def test_a_reserved_interactive_tenant_is_isolated_in_time_from_a_flood() -> None:
-    scheduler, starts, outputs, predicted = flood(target_ms=60.0)
+@pytest.mark.parametrize("flood_tier", ["batch", "interactive"])
+def test_a_reserved_interactive_tenant_is_isolated_in_time_from_a_flood(flood_tier: str) -> None:
+    """Also when the abuser claims the victim's own tier: then fair share alone
+    must put the victim's short request before the flood's running prefills."""
+    scheduler, starts, outputs, predicted = flood(target_ms=60.0, flood_tier=flood_tier)
     for i in range(10):
         name = f"inter-{i}"
-        assert starts[name] <= 2, (name, starts[name])
+        assert starts[name] == 0, (name, starts[name])  # it starts in the next step
         assert outputs[name] == expected(prompt(200 + i, 6 + 5 * (i % 3)), 8)
     for i in range(24):
         name = f"bulk-{i}"
@@ -427,3 +432,19 @@ def test_the_crossover_counts_a_victims_pages_as_the_kv_core_does() -> None:
             kv.commit(seq, step)
         assert kv.swap_out_pages(seq) == rates.pages_for(n), n
         kv.finish(seq)
+
+
+def test_a_tenant_that_comes_back_wins_the_tie_its_lift_makes() -> None:
+    """Lifted to the smallest active counter, a returning tenant ties with it:
+    the tie is its, not the name's (a flood named "bulk" took every step's
+    room first, one step each time its victim "inter" came back)."""
+    counters = VirtualCounters()
+    for tenant in ("bulk", "inter"):
+        counters.set_weight(tenant, 1.0)
+    counters.charge("bulk", input_tokens=1000)
+    counters.charge("inter", output_tokens=8)  # served more recently than bulk
+    counters.activate("inter", {"bulk", "inter"})
+    assert counters.counters["inter"] == counters.counters["bulk"]
+    assert counters.order(["bulk", "inter"]) == ["inter", "bulk"]
+    counters.charge("inter", input_tokens=9)
+    assert counters.order(["bulk", "inter"]) == ["bulk", "inter"]
