@@ -178,24 +178,29 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
 
 def _plot(result: ExperimentResult, pools: list[PoolBytes], out: Path) -> None:
     plt = pyplot()
-    figure, axis = plt.subplots(figsize=(7, 3.6))
-    labels = [f"{p.model}\n{p.dtype}" for p in pools]
-    x = range(len(pools))
-    axis.bar(
-        [i - 0.2 for i in x],
-        [p.formula_bytes_per_token / 1024 for p in pools],
-        0.4,
-        label="formula",
-    )
-    axis.bar(
-        [i + 0.2 for i in x],
-        [(p.allocated_bytes_per_token + p.table_bytes_per_token) / 1024 for p in pools],
-        0.4,
-        label="allocated (pool + tables)",
-    )
-    axis.set_xticks(list(x), labels)
-    axis.set_yscale("log")
+    figure, axis = plt.subplots(figsize=(7.5, 3.8))
+    x = list(range(len(pools)))
+    bottom = [0.0] * len(pools)
+    for kind in ("global", "sliding"):
+        heights = [
+            sum(g.formula_bytes_per_token for g in p.groups if g.kind == kind) / 1024 for p in pools
+        ]
+        axis.bar(x, heights, 0.5, bottom=bottom, label=f"{kind} layers (formula)")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for i, p in enumerate(pools):
+        spent = (p.allocated_bytes_per_token + p.table_bytes_per_token) / 1024
+        axis.plot([i - 0.3, i + 0.3], [spent, spent], "k-", lw=1.5)
+        axis.annotate(
+            f"pool {100 * p.overhead:+.2f}%",
+            (i, spent),
+            textcoords="offset points",
+            xytext=(0, 4),
+            ha="center",
+            fontsize=8,
+        )
+    axis.plot([], [], "k-", label="allocated per token (pool + tables)")
+    axis.set_xticks(x, [f"{p.model}\n{p.dtype}" for p in pools])
     axis.set_ylabel("KiB per token (all layers)")
-    axis.set_title("Bytes per token: the seed's formula vs the pool")
-    axis.legend()
+    axis.set_title("Bytes per token: the seed's formula by layer kind, and what the pool spends")
+    axis.legend(fontsize=8)
     save_plot(figure, result, out)

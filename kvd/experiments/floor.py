@@ -132,9 +132,10 @@ def _plot(result: ExperimentResult, curves: list[FloorCurve], out: Path) -> None
     plt = pyplot()
     figure, axes = plt.subplots(1, len(curves), figsize=(10, 3.8))
     for axis, c in zip(axes, curves, strict=True):
-        lengths = [p.length for p in c.points]
-        axis.plot(lengths, [max(p.eager, 0.5) for p in c.points], "o--", label="eager windows")
-        axis.plot(lengths, [p.kvd for p in c.points], "o-", label="kvd (lazy, measured)")
+        eager = [(p.length, p.eager) for p in c.points if p.eager]  # log scale: no zeros
+        lazy = [(p.length, p.kvd) for p in c.points if p.kvd]
+        axis.plot(*zip(*eager, strict=True), "o--", label="eager windows")
+        axis.plot(*zip(*lazy, strict=True), "o-", label="kvd (lazy, measured)")
         if c.window:
             axis.axvline(c.window, color="grey", lw=0.8, ls=":", label=f"window {c.window}")
         axis.set_xscale("log", base=2)
