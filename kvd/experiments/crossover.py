@@ -216,7 +216,8 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
             "victims": [msgspec.to_builtins(v) | {"swap_s": v.swap_s} for v in victims],
         }
         model_says = (
-            f"the cost model (the scheduler's) picks swap from {crossover:,} tokens"
+            f"the cost model (the scheduler's) picks swap from {crossover:,} "
+            f"token{'s' if crossover != 1 else ''}"
             if crossover is not None
             else "the cost model never picks swap"
         )

@@ -43,7 +43,7 @@ class BlockFigures(msgspec.Struct, frozen=True):
     waste_blocks_per_sequence_group: float  # (allocated - live) / page, per sequence per group
     contiguous_utilisation: float  # reserving prompt + a 2,000-token max_tokens cap
     context_utilisation: float  # reserving the whole context
-    series: list[tuple[int, float]]  # (step, live/allocated)
+    series: list[tuple[int, float]]  # (step, live/allocated), thinned to SERIES_POINTS
 
 
 def figures(
@@ -68,8 +68,17 @@ def figures(
             sum(s.contiguous_live_bytes for s, _ in busy)
             / max(1, sum(s.context_bytes for s, _ in busy))
         ),
-        series=[(s.step, s.live_bytes / s.allocated_bytes) for s, _ in busy],
+        series=_thinned([(s.step, s.live_bytes / s.allocated_bytes) for s, _ in busy]),
     )
+
+
+SERIES_POINTS = 400  # kept per block size for the plot (the figures use every sample)
+
+
+def _thinned(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """At most SERIES_POINTS samples, each the lowest of its stretch (the dips show)."""
+    stride = -(-len(series) // SERIES_POINTS)
+    return [min(series[i : i + stride], key=lambda p: p[1]) for i in range(0, len(series), stride)]
 
 
 def run(out: Path, quick: bool, say: Say) -> ExperimentResult:

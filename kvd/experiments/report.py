@@ -118,7 +118,7 @@ def seed_comparison(results: list[ExperimentResult]) -> list[str]:
                 else "recompute was measured cheaper at every length"
             )
             + (
-                f", and the cost model switches at {cross:,} tokens"
+                f", and the cost model switches at {cross:,} token{'s' if cross != 1 else ''}"
                 if cross is not None
                 else ", and the cost model never swaps"
             )
