@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from kvd.bench.daemon import LoggedDaemon, stream_completion
+from kvd.bench.daemon import Completion, LoggedDaemon, stream_completion
 from kvd.bench.http import percentile
 from kvd.experiments.replay import (
     CacheEvent,
@@ -194,25 +194,11 @@ def play(url: str, sessions: list[Session], salts: bool, time_scale: float) -> l
             if salts:
                 body["cache_salt"] = session.user
             sent = time.monotonic()
+            error = None
             try:
                 done = stream_completion(url, _key(session.tenant), body)
             except Exception as exc:  # recorded, and the session ends as a client's would
-                with lock:
-                    played.append(
-                        _Played(
-                            session.tenant,
-                            body.get("cache_salt"),
-                            prompt,
-                            "",
-                            sent,
-                            time.monotonic(),
-                            0,
-                            0,
-                            float("nan"),
-                            str(exc)[:200],
-                        )
-                    )
-                return
+                done, error = Completion("", float("nan")), str(exc)[:200]
             with lock:
                 played.append(
                     _Played(
@@ -225,8 +211,11 @@ def play(url: str, sessions: list[Session], salts: bool, time_scale: float) -> l
                         done.prompt_tokens,
                         done.cached_tokens,
                         done.ttft_s,
+                        error,
                     )
                 )
+            if error is not None:
+                return
             history = prompt + done.text + "\n"
 
     threads = [threading.Thread(target=one, args=(s,)) for s in sessions]
