@@ -199,7 +199,7 @@ def markdown(results: list[ExperimentResult], command: str) -> str:
         f"Machine: {machine}, {platform.system()} {platform.release()}. "
         f"Generated {datetime.date.today().isoformat()} by `{command}` "
         f"in {total / 60:.1f} minutes{' (quick form)' if any(r.quick for r in results) else ''}.",
-        "Every figure below comes from that run; the JSON beside each plot holds them all.",
+        "Every figure below comes from the experiments' JSON beside this file.",
         "",
     ]
     comparison = seed_comparison(results)
