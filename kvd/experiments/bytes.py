@@ -17,12 +17,12 @@ from pathlib import Path
 import msgspec
 
 from kvd.experiments.results import ExperimentResult, Say, new_result, pyplot, save_plot, timed
-from kvd.kv.geometry import KVGeometry, preset
+from kvd.experiments.seed import seed_geometry, seed_pool_bytes
+from kvd.kv.geometry import KVGeometry
 from kvd.kv.layout import PageLayout, build_layout
 from kvd.units import parse_size
 
 QUESTION = "the attention configuration, and therefore the real bytes per token"
-SEED_POOL = "3.8GiB"
 TABLE_ENTRY_BYTES = 4  # one int32 page index per block per group
 
 
@@ -123,9 +123,9 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
     with timed(result):
         say("the embedded model's pool, as a real engine allocates it")
         pools = [engine_pool(quick, parse_size("64MiB"))]
-        seed = preset("gemma4-12b")
+        seed = seed_geometry()
         for dtype in ("bfloat16", "fp8", "int8"):
-            pools.append(layout_pool(seed.with_dtype(dtype), parse_size(SEED_POOL)))
+            pools.append(layout_pool(seed.with_dtype(dtype), seed_pool_bytes()))
         for p in pools:
             for g in p.groups:
                 result.rows.append(

@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 
 from kvd.experiments.results import ExperimentResult, Say, new_result, pyplot, save_plot, timed
+from kvd.experiments.seed import seed_geometry, seed_pool_bytes
 from kvd.kv.capacity import bytes_per_token, capacity_report, eager_capacity, max_sequences
 from kvd.kv.geometry import KVGeometry, preset
 from kvd.kv.layout import build_layout
@@ -27,7 +28,6 @@ QUESTION = (
     "whether the 320 MiB-per-sequence sliding-layer floor is really paid in full, or "
     "allocated lazily until a sequence reaches its window"
 )
-SEED_POOL = "3.8GiB"
 HERE_POOL = "256MiB"  # kvd bench flood's pool for the 270M
 
 
@@ -84,9 +84,9 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
         "floor", QUESTION, quick, ["model", "pool", "length", "eager seqs", "kvd seqs", "kvd/eager"]
     )
     with timed(result):
-        seed = preset("gemma4-12b")
+        seed = seed_geometry()
         say("Gemma 4 12B in the seed's 3.8 GiB pool, through the KV core")
-        curves = [curve(seed, parse_size(SEED_POOL), lengths_for(quick, 32768))]
+        curves = [curve(seed, seed_pool_bytes(), lengths_for(quick, 32768))]
         say("the embedded 270M's pool as the daemon sizes it here, through the KV core")
         here = preset("gemma3-270m").with_dtype("float32")  # the engine's KV dtype on CPU
         layout = build_layout(here, 16)
@@ -104,7 +104,7 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
                         f"{p.kvd / p.eager:.1f}x" if p.eager else "-",
                     ]
                 )
-        capacity = capacity_report(seed, parse_size(SEED_POOL))
+        capacity = capacity_report(seed, seed_pool_bytes())
         result.data = {
             "curves": msgspec.to_builtins(curves),
             "seed_pool": msgspec.to_builtins(capacity),  # what `kvctl capacity` prints

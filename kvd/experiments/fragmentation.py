@@ -22,17 +22,15 @@ import msgspec
 
 from kvd.experiments.replay import FragmentationSample, ReplaySettings, replay
 from kvd.experiments.results import ExperimentResult, Say, new_result, pct, pyplot, save_plot, timed
+from kvd.experiments.seed import SEED_POOL, seed_geometry, seed_pool_bytes
 from kvd.experiments.workload import default_shape, generate
-from kvd.kv.geometry import preset
 from kvd.kv.layout import build_layout
-from kvd.units import parse_size
 
 QUESTION = (
     "actual fragmentation under paging, and whether one partly-filled block per sequence "
     "is really the whole cost"
 )
 BLOCK_SIZES = (8, 16, 32, 64)
-SEED_POOL = "3.8GiB"
 
 
 class BlockFigures(msgspec.Struct, frozen=True):
@@ -99,11 +97,11 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
     with timed(result):
         shape = default_shape(sessions=10, duration_s=30, scale=0.25) if quick else default_shape()
         sessions = generate(shape)
-        geometry = preset("gemma4-12b")
+        geometry = seed_geometry()
         rows: list[BlockFigures] = []
         for block in BLOCK_SIZES:
             say(f"block {block}: the trace through the KV core at Gemma 4 12B, 3.8 GiB")
-            settings = ReplaySettings(geometry, parse_size(SEED_POOL), block_size=block)
+            settings = ReplaySettings(geometry, seed_pool_bytes(), block_size=block)
             replayed = replay(sessions, settings)
             layout = build_layout(geometry, block)
             rows.append(figures(block, replayed.samples, layout.page_bytes, layout.num_groups))

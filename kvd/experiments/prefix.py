@@ -37,23 +37,22 @@ from kvd.experiments.replay import (
     unbounded_hits,
 )
 from kvd.experiments.results import ExperimentResult, Say, new_result, pct, pyplot, save_plot, timed
+from kvd.experiments.seed import seed_geometry, seed_pool_bytes
 from kvd.experiments.workload import (
     Session,
     WorkloadShape,
     default_shape,
     generate,
+    platform_segment,
     segment_text,
     total_requests,
 )
-from kvd.kv.geometry import preset
 from kvd.kv.scope import SharingPolicy
-from kvd.units import parse_size
 
 QUESTION = (
     "prefix cache hit rate under a realistic multi-tenant workload: a large win or a "
     "rounding error?"
 )
-SEED_POOL = "3.8GiB"
 RUNS = (("isolated", False), ("public", False), ("shared", False), ("public", True))
 
 
@@ -90,7 +89,7 @@ def _ttfts(samples: dict[str, list[float]]) -> tuple[dict[str, float], dict[str,
 
 def kv_core_run(sessions: list[Session], policy: str, salts: bool) -> PolicyFigures:
     settings = ReplaySettings(
-        preset("gemma4-12b"), parse_size(SEED_POOL), policy=SharingPolicy(policy), salts=salts
+        seed_geometry(), seed_pool_bytes(), policy=SharingPolicy(policy), salts=salts
     )
     replayed = replay(sessions, settings)
     users = {s.session_id: s.user for s in sessions}
@@ -263,7 +262,7 @@ def daemon_runs(
             f"the prefix experiment runs the embedded model or 'random', not {model!r}"
         )
     tokenizer = embedded_tokenizer()  # both speak the embedded model's vocabulary
-    platform = segment_text(next(seg for seg in sessions[0].head if seg.kind == "platform"))
+    platform = segment_text(platform_segment(sessions))
     tenants = sorted({s.tenant for s in sessions})
     figures = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import numpy as np
 
 from kvd.engine.sampling_params import SamplingParams
-from kvd.experiments.workload import Session, segment_tokens
+from kvd.experiments.workload import Session, platform_segment, segment_tokens
 from kvd.kv.geometry import KVGeometry
 from kvd.kv.layout import PageLayout, build_layout
 from kvd.kv.ledger import BudgetMode
@@ -106,8 +105,7 @@ def prompt_ids(session: Session, turn: int, history: list[int]) -> list[int]:
 
 
 def platform_ids(sessions: list[Session]) -> list[int]:
-    platform = next(seg for s in sessions for seg in s.head if seg.kind == PLATFORM)
-    return [2, *segment_tokens(platform, VOCAB)]
+    return [2, *segment_tokens(platform_segment(sessions), VOCAB)]
 
 
 def notional_rates(layout: PageLayout, settings: ReplaySettings) -> Rates:
@@ -375,16 +373,3 @@ def ideal_hits(
             done = (len(full) - 1) // block_size
             events.append(CacheEvent(r.finish_step, True, r.request_id, r.tenant, salt, full, done))
     return unbounded_hits(events, policy, block_size, public)
-
-
-def summary(records: list[RequestRecord]) -> dict[str, Any]:
-    served = [r for r in records if r.rejected is None and r.start_step >= 0]
-    prompt = sum(r.prompt_tokens for r in served)
-    cached = sum(r.cached_tokens for r in served)
-    return {
-        "requests": len(records),
-        "rejected": sum(1 for r in records if r.rejected is not None),
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "hit_rate": cached / prompt if prompt else 0.0,
-    }

@@ -112,9 +112,5 @@ def save_plot(figure: Any, result: ExperimentResult, out: Path, suffix: str = ""
     result.plots.append(name)
 
 
-def mib(value: float) -> str:
-    return f"{value / 2**20:,.1f}"
-
-
 def pct(value: float) -> str:
     return f"{100 * value:.1f}%"

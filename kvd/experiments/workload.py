@@ -208,6 +208,11 @@ def _lognormal(median: float, sigma: float, seed_key: str) -> float:
     return float(local.lognormal(math.log(median), sigma))
 
 
+def platform_segment(sessions: list[Session]) -> Segment:
+    """The operator's platform preamble every prompt starts with."""
+    return next(seg for s in sessions for seg in s.head if seg.kind == "platform")
+
+
 def segment_tokens(segment: Segment, vocab: tuple[int, int]) -> list[int]:
     """The same segment key always becomes the same token ids."""
     seed = int.from_bytes(hashlib.blake2b(segment.key.encode(), digest_size=8).digest())
