@@ -37,7 +37,11 @@ Limits
   (the sublane dimension of a page block) should be a multiple of 8 (16 by
   default) for f32, 16 for bf16.
 - The pool view is ``[P, slots, 2, L, K, H]``; each (page, slot, K-or-V)
-  block is one ``[L, K, H]`` DMA.
+  block is one ``[L, K, H]`` DMA. An int8 pool's rows are ``H + 4`` (values,
+  then their f32 scale's bytes: kvd/engine/kvquant.py), dequantised in VMEM
+  after the DMA, so the DMA moves half the bytes of bf16. That row width is
+  not a multiple of 128 lanes; a production TPU layout would keep the scales
+  in lanes of their own (untested here: no TPU in this project's CI).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from kvd.engine.kvquant import from_pool
 
 NO_WINDOW = 2**30  # "window" of global layers: every earlier key is visible
 
@@ -75,6 +81,7 @@ def _kernel(
     softcap: float | None,
     block_size: int,
     num_kv: int,
+    head_dim: int,
 ):
     t, w = pl.program_id(0), pl.program_id(1)
     position = pos_ref[t]
@@ -91,8 +98,9 @@ def _kernel(
     def _compute():
         for head in range(num_kv):  # static: K is small; each head's G queries together
             q = q_ref[head].astype(jnp.float32)  # [G, H]
-            k = k_ref[:, head, :].astype(jnp.float32)  # [L, H]
-            v = v_ref[:, head, :].astype(jnp.float32)
+            # An int8 pool's rows are [H + 4]: values, then their f32 scale.
+            k = from_pool(k_ref[:, head, :], head_dim, jnp.float32)  # [L, H]
+            v = from_pool(v_ref[:, head, :], head_dim, jnp.float32)
             scores = (
                 jax.lax.dot_general(
                     q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -151,7 +159,7 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Same arguments and result as the engine's reference ``paged_attention``."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, _, block_size, num_kv, _ = view.shape
+    _, _, _, block_size, num_kv, stored = view.shape  # stored: head_dim (+ 4 if int8)
     group = num_heads // num_kv
     width = tables.shape[1]
     window_arr = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
@@ -172,7 +180,7 @@ def ragged_paged_attention(
 
     squeezed = pl.squeezed
     # The last two block dims (K, H) are whole array dims, as Mosaic requires.
-    kv_block = (squeezed, squeezed, squeezed, block_size, num_kv, head_dim)
+    kv_block = (squeezed, squeezed, squeezed, block_size, num_kv, stored)
     q_block = (squeezed, num_kv, group, head_dim)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
@@ -190,7 +198,12 @@ def ragged_paged_attention(
         ],
     )
     kernel = functools.partial(
-        _kernel, scale=scale, softcap=softcap, block_size=block_size, num_kv=num_kv
+        _kernel,
+        scale=scale,
+        softcap=softcap,
+        block_size=block_size,
+        num_kv=num_kv,
+        head_dim=head_dim,
     )
     out = pl.pallas_call(
         kernel,

@@ -447,9 +447,10 @@ def render_capacity(r: CapacityReport) -> str:
     if r.sliding_layers:
         per_token.append(("sliding layers", format_iec(bpt.sliding)))
     per_token.append(("all layers", format_iec(bpt.total)))
-    lines += _table(
-        "KV bytes per token (2 x layers x kv_heads x head_dim x bytes per element)", per_token
-    )
+    formula = "2 x layers x kv_heads x head_dim x bytes per element"
+    if r.dtype == "int8":  # the scales are pool bytes too
+        formula += ", + a 4-byte scale per group of up to 256 values"
+    lines += _table(f"KV bytes per token ({formula})", per_token)
     if r.context is not None and r.sequence_bytes_at_context is not None:
         per_seq = r.sequence_bytes_at_context
         rows = [("KV cache", f"{format_iec(per_seq)} ({format_si(per_seq)})")]

@@ -286,6 +286,23 @@ def bench_prefill(
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("int8")
+@click.option("--model", default="gemma3-270m", show_default=True)
+@click.option("--tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option(
+    "--pool", default="256MiB", show_default=True, help="Pool size for the capacity part."
+)
+@click.option("--raw", is_flag=True, help="Raw text prompts, not the chat turn format.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_int8(model: str, tokens: int, pool: str, raw: bool, as_json: bool) -> None:
+    """int8 K/V against f32 on the real model: greedy agreement, logit error,
+    scale granularity, and tokens per pool byte against bf16."""
+    from kvd.bench.int8 import render, run_int8_bench
+
+    report = run_int8_bench(model, tokens, pool, chat=not raw)
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 @bench.command("http")
 @click.option("--model", default="gemma3-270m", show_default=True, help="Or 'random'.")
 @click.option("--clients", type=click.IntRange(min=1), default=64, show_default=True)

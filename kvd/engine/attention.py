@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kvd.engine.kvquant import from_pool
+
 # Which implementation ``attend`` traces: "auto" (the Pallas kernel on the TPU
 # backend, this reference elsewhere), "reference", "pallas", or
 # "pallas-interpret" (the kernel interpreted on any backend: for tests).
@@ -106,6 +108,7 @@ class _Tiles(NamedTuple):
 def paged_attention(
     q: jax.Array,  # [T, N, H] queries (RoPE applied)
     view: jax.Array,  # [P, slots, 2, L, K, H] the pool seen by this layer's page group
+    # (an int8 pool: [..., H + 4], dequantised as pages are gathered)
     slot: Any,  # this layer's slot in the page
     tables: jax.Array,  # [S, W] block tables of this page group (rings, see above)
     seq_index: jax.Array,  # [T] sequence row of each token
@@ -247,11 +250,9 @@ def _tile_attention(
             # Blocks nobody in the tile sees read the null page, never a stale entry.
             pages = jnp.where(seen, tables[seq[:, None], blocks % ring], 0)
             kv = view[pages, slot]  # [B, c, 2, L, K, H]: keys and values in one gather
-            keys = kv[:, :, 0].reshape(items, chunk, num_kv, head_dim)
-            values = kv[:, :, 1].reshape(items, chunk, num_kv, head_dim)
-            scores = jnp.einsum("bqkgh,bckh->bkgqc", queries[tile], keys.astype(q.dtype)).astype(
-                jnp.float32
-            )
+            keys = from_pool(kv[:, :, 0].reshape(items, chunk, num_kv, -1), head_dim, q.dtype)
+            values = from_pool(kv[:, :, 1].reshape(items, chunk, num_kv, -1), head_dim, q.dtype)
+            scores = jnp.einsum("bqkgh,bckh->bkgqc", queries[tile], keys).astype(jnp.float32)
             scores = scores * scale
             if softcap is not None:
                 scores = jnp.tanh(scores / softcap) * softcap
@@ -272,7 +273,7 @@ def _tile_attention(
             probs = jnp.exp(scores - anchor[..., None])  # masked keys: exp(-inf) = 0
             denominator = denominator.at[tile].set(denominator[tile] * rescale)
             denominator = denominator.at[tile].add(probs.sum(axis=-1))
-            mixed = jnp.einsum("bkgqc,bckh->bkgqh", probs.astype(q.dtype), values.astype(q.dtype))
+            mixed = jnp.einsum("bkgqc,bckh->bkgqh", probs.astype(q.dtype), values)
             numerator = numerator.at[tile].set(numerator[tile] * rescale[..., None])
             numerator = numerator.at[tile].add(mixed.astype(jnp.float32))
             return best_new, denominator, numerator

@@ -47,6 +47,7 @@ from kvd.engine.model import (
 )
 from kvd.engine.sampling import SamplingBatch, sample
 from kvd.kv.columns import BLOCKS, COMPUTED, LAST_TOKEN, LENGTH, SERIAL, TABLE_VERSION
+from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.layout import build_layout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
@@ -147,6 +148,17 @@ def _place_in_place(tree: Any) -> Any:
     return tree
 
 
+def engine_kv_dtype(name: str) -> str:
+    """The canonical pool dtype for ``name``, or EngineError naming what is supported."""
+    try:
+        dtype = canonical_dtype(name)
+    except GeometryError as exc:
+        raise EngineError(str(exc)) from None
+    if dtype not in POOL_DTYPES:
+        raise EngineError(f"KV dtype {name!r} is not supported (use {', '.join(POOL_DTYPES)})")
+    return dtype
+
+
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
         enable_compilation_cache()
@@ -156,7 +168,7 @@ class Engine:
             raise EngineError(
                 f"max_model_len {cfg.max_model_len} exceeds the model's {model.config.max_position}"
             )
-        kv_dtype = cfg.kv_dtype or cfg.dtype
+        kv_dtype = engine_kv_dtype(cfg.kv_dtype or cfg.dtype)
         self.layout = build_layout(model.config.kv_geometry(kv_dtype), cfg.block_size)
         # One more than the blocks: page 0 is the null page padding points at.
         self.num_pages = pages = cfg.pool_tokens // cfg.block_size * self.layout.num_groups + 1
@@ -186,8 +198,13 @@ class Engine:
             param_sharding = sharding.param_shardings(model.config, params, self.mesh)
             everywhere = sharding.replicated(self.mesh)
             self.params = jax.device_put(params, param_sharding)
+            geometry = self.layout.geometry
             pool_shape, pool_sharding = sharding.pool_layout(
-                model.config, (pages, elements), cfg.tensor_parallel, self.mesh
+                model.config,
+                (pages, elements),
+                cfg.tensor_parallel,
+                self.mesh,
+                geometry.scale_bytes(geometry.kinds()[0]) // geometry.element_size,
             )
             self.pool = jax.device_put(zero_pool().reshape(pool_shape), pool_sharding)
         elif cfg.scan_layers:

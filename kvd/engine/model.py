@@ -8,7 +8,8 @@ Shapes, one letter each everywhere (comments and einsum strings):
 
 The pool is ONE array ``[P, E]``: page groups view it with their own shape
 ``[P, slots, 2, L, K, H]`` (every group's page has the same bytes, see
-kvd/kv/layout.py). The host hands in int32 tables only: where each new token's
+kvd/kv/layout.py; an int8 pool's rows are ``H + 4``: values and their scale,
+kvd/engine/kvquant.py). The host hands in int32 tables only: where each new token's
 K/V go (page and offset per group) and each sequence's block table per group.
 """
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from kvd.engine.attention import NO_WINDOW, attend, resolve_attention
 from kvd.engine.config import ModelConfig
+from kvd.engine.kvquant import is_quantised, rotation, to_pool
 from kvd.kv.geometry import AttentionKind
 from kvd.kv.layout import PageLayout
 
@@ -167,13 +169,18 @@ def _attention_block(
         cos = jnp.where(place.is_global, cos_g, cos_s)
         sin = jnp.where(place.is_global, sin_g, sin_s)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    turn = rotation(head_dim) if is_quantised(pool.dtype) else None
+    if turn is not None:  # int8 K/V: channels evened out first (kvquant.rotation)
+        turn_ = jnp.asarray(turn, q.dtype)
+        q, k, v = q @ turn_, k @ turn_, v @ turn_
 
     num_pages = pool.shape[0]
     slots = spec.slots_of(kind)
-    view = pool.reshape(num_pages, slots, 2, spec.block_size, n_kv, head_dim)
+    # The last axis is head_dim, or head_dim + the scale's bytes in an int8 pool.
+    view = pool.reshape(num_pages, slots, 2, spec.block_size, n_kv, -1)
     pages, offsets = batch.write_pages[place.group], batch.write_offsets
-    view = view.at[pages, place.slot, 0, offsets].set(k.astype(view.dtype))
-    view = view.at[pages, place.slot, 1, offsets].set(v.astype(view.dtype))
+    view = view.at[pages, place.slot, 0, offsets].set(to_pool(k, view.dtype, view.shape[-1]))
+    view = view.at[pages, place.slot, 1, offsets].set(to_pool(v, view.dtype, view.shape[-1]))
     tables, ring = batch.tables[place.group], None
     if spec.sliding_ring:
         if len(ropes) == 1:  # ``kind`` is this layer's: the ring is the table
@@ -194,6 +201,8 @@ def _attention_block(
         softcap=cfg.attn_logit_softcap,
         ring=ring,
     )  # [T, N, H]
+    if turn is not None:
+        out = out @ turn_  # its own inverse
     return out.reshape(num_tokens, -1) @ p["o"], view.reshape(pool.shape)
 
 

@@ -104,21 +104,26 @@ def param_shardings(config: ModelConfig, params: dict[str, Any], mesh: Mesh) -> 
 
 
 def pool_layout(
-    config: ModelConfig, shape: tuple[int, ...], devices: int, mesh: Mesh
+    config: ModelConfig,
+    shape: tuple[int, ...],
+    devices: int,
+    mesh: Mesh,
+    scale_elements: int = 0,
 ) -> tuple[tuple[int, ...], NamedSharding]:
     """The pool's array shape and sharding. A page holds ``[slots, 2, L, K, H]``
     per layer group; when every group has the same (K, H) and the KV heads
     split evenly, the pool is stored ``[P, rest, K*H]`` and split on its last
     axis, so each device holds its own KV heads of every page (the K/V
     projections are split the same way: the writes stay local). Otherwise
-    it is replicated."""
+    it is replicated. ``scale_elements``: what each (token, KV head) row
+    stores after its head_dim values (an int8 pool's scale), split with it."""
     kinds = set(config.layer_kinds)
     heads = {(config.kv_heads_of(k), config.head_dim_of(k)) for k in kinds}
     if len(heads) == 1:
         ((kv, head_dim),) = heads
         if kv % devices == 0:
             pages, elements = shape
-            lane = kv * head_dim
+            lane = kv * (head_dim + scale_elements)
             return (pages, elements // lane, lane), NamedSharding(mesh, P(None, None, AXIS))
     return shape, NamedSharding(mesh, P())
 

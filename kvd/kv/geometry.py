@@ -1,8 +1,12 @@
 """A model's KV-cache geometry as data, and the seed's formula applied to it.
 
-    bytes per token = 2 x layers x kv_heads x head_dim x bytes_per_element
+    bytes per token = 2 x layers x kv_heads x (head_dim x bytes_per_element + scale)
 
-The 2 is K and V. Gemma interleaves sliding-window and global layers whose
+The 2 is K and V. ``scale`` is 0 for float dtypes; an int8 cache stores each
+token's K (and V) of each KV head with an f32 scale per ``quant_group``
+values (4 bytes per 256 int8 values for Gemma; see kvd/engine/kvquant.py for
+why per token), and those bytes are real pool bytes, so every capacity figure
+counts them. Gemma interleaves sliding-window and global layers whose
 shapes differ (Gemma 4's global layers have head_dim 512), so the formula is
 applied once per layer type and never to the model as a whole.
 """
@@ -10,6 +14,7 @@ applied once per layer type and never to the model as a whole.
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -20,6 +25,14 @@ ELEMENT_SIZES: dict[str, int] = {
     "int8": 1,
     "fp8": 1,
 }
+
+# What the engine's pool can store (fp8 has no XLA:CPU support to test it
+# against); the others are for capacity arithmetic.
+POOL_DTYPES = ("float32", "bfloat16", "int8")
+
+# Bytes of dequantisation scale per quantisation group of a K or V row.
+SCALE_BYTES: dict[str, int] = {"int8": 4}
+MAX_QUANT_GROUP = 256
 
 _DTYPE_ALIASES: dict[str, str] = {
     "f32": "float32",
@@ -93,6 +106,23 @@ class KVGeometry(msgspec.Struct, frozen=True):
         return ELEMENT_SIZES[canonical_dtype(self.dtype)]
 
     @property
+    def quant_group(self) -> int:
+        """Values of one row that share a scale: the largest common divisor of
+        every kind's head_dim, at most MAX_QUANT_GROUP. Equal groups keep a
+        row's scale bytes proportional to its head_dim, so sliding and global
+        pages still divide one page size evenly (Gemma 4: 256 and 512 values
+        carry 1 and 2 scales)."""
+        group = math.gcd(*(t.head_dim for t in self.layer_types))
+        while group > MAX_QUANT_GROUP and group % 2 == 0:
+            group //= 2
+        return group
+
+    def scale_bytes(self, kind: AttentionKind) -> int:
+        """Bytes of scale per (token, KV head) row of K or of V."""
+        per_group = SCALE_BYTES.get(canonical_dtype(self.dtype), 0)
+        return per_group * (self.layer_type(kind).head_dim // self.quant_group)
+
+    @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
 
@@ -112,7 +142,7 @@ class KVGeometry(msgspec.Struct, frozen=True):
 
     def bytes_per_token_per_layer(self, kind: AttentionKind) -> int:
         t = self.layer_type(kind)
-        return 2 * t.kv_heads * t.head_dim * self.element_size
+        return 2 * t.kv_heads * (t.head_dim * self.element_size + self.scale_bytes(kind))
 
     def bytes_per_token(self, kind: AttentionKind) -> int:
         """The seed's formula over every layer of one kind."""

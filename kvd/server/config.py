@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.ledger import BudgetMode, tenant_name_problem
 from kvd.kv.scope import SharingPolicy
 from kvd.units import SizeError, parse_size
@@ -180,6 +181,10 @@ def validate(config: Config) -> None:
     _size("server.max_body", server.max_body)
     if model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype: {model.dtype!r} is not float32 or bfloat16")
+    if model.kv_dtype is not None and _canonical_or_none(model.kv_dtype) not in POOL_DTYPES:
+        raise ConfigError(
+            f"model.kv_dtype: {model.kv_dtype!r} is not one of {', '.join(POOL_DTYPES)}"
+        )
     for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
         _positive(f"model.{key}", getattr(model, key))
     _positive("pool.block_size", pool.block_size)
@@ -241,6 +246,13 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}: must be a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _canonical_or_none(dtype: str) -> str | None:
+    try:
+        return canonical_dtype(dtype)
+    except GeometryError:
+        return None
 
 
 def _size(key: str, value: str) -> int:

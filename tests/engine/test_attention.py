@@ -16,6 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvd.engine import attention  # noqa: E402
 from kvd.engine.attention import paged_attention  # noqa: E402
+from kvd.engine.kvquant import SCALE_LANES, dequantise, quantise  # noqa: E402
 
 BLOCK = 4
 
@@ -124,12 +125,15 @@ def check(
     spare_rows: int = 0,
     seed: int = 0,
     kv_heads: int = 2,
+    int8: bool = False,
 ) -> None:
     rng = np.random.default_rng(seed)
     args, (keys, values) = build(
         rng, runs, ring=ring, window=window, padding=padding, spare_rows=spare_rows,
         kv_heads=kv_heads,
     )  # fmt: skip
+    if int8:
+        args, (keys, values) = quantised(args, keys, values)
     got = paged_attention(
         **{k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in args.items()},
         scale=0.3,
@@ -141,6 +145,49 @@ def check(
         scale=0.3, window=window, softcap=softcap,
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5)
+
+
+def quantised(
+    args: dict[str, object], keys: list[np.ndarray], values: list[np.ndarray]
+) -> tuple[dict[str, object], tuple[list[np.ndarray], list[np.ndarray]]]:
+    """The batch over an int8 pool, and the oracle's keys and values as the
+    attention must see them: quantised row by row, then dequantised."""
+    head_dim = keys[0].shape[-1]
+
+    def round_trip(x: np.ndarray) -> np.ndarray:
+        return np.asarray(dequantise(quantise(jnp.asarray(x)), head_dim), np.float64)
+
+    view = np.asarray(quantise(jnp.asarray(args["view"])))
+    return {**args, "view": view}, ([round_trip(k) for k in keys], [round_trip(v) for v in values])
+
+
+def test_int8_rows_round_trip_within_half_a_step() -> None:
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((64, 3, 256)).astype(np.float32) * rng.uniform(0.01, 30, (64, 3, 1))
+    x[0, 0] = 0.0  # an all-zero row
+    raw = quantise(jnp.asarray(x))
+    assert raw.dtype == jnp.int8 and raw.shape == (64, 3, 256 + SCALE_LANES)
+    back = np.asarray(dequantise(raw, 256))
+    step = np.abs(x).max(axis=-1, keepdims=True) / 127
+    assert np.all(np.abs(back - x) <= step / 2 * (1 + 1e-5) + 1e-12)
+    assert np.all(back[0, 0] == 0)
+    # Two groups of 128 values: each its own scale, so each within its own half step.
+    raw = quantise(jnp.asarray(x), 128)
+    assert raw.shape == (64, 3, 256 + 2 * SCALE_LANES)
+    back = np.asarray(dequantise(raw, 256)).reshape(64, 3, 2, 128)
+    halves = x.reshape(64, 3, 2, 128)
+    step = np.abs(halves).max(axis=-1, keepdims=True) / 127
+    assert np.all(np.abs(back - halves) <= step / 2 * (1 + 1e-5) + 1e-12)
+
+
+@pytest.mark.parametrize("runs", [[(5, 1), (16, 1), (31, 1)], [(0, 5), (16, 1), (3, 40), (90, 17)]])
+@pytest.mark.parametrize("window", [None, 9])
+def test_int8_pool_matches_the_oracle_on_dequantised_keys(
+    runs: list[tuple[int, int]], window: int | None
+) -> None:
+    """An int8 pool is dequantised inside attention: the result is exact
+    attention over the dequantised keys and values (same tolerance as f32)."""
+    check(runs, window=window, softcap=5.0, int8=True)
 
 
 @pytest.mark.parametrize(

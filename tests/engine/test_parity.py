@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvd.engine import model
 from kvd.engine.batching import bucket, build_step_batch, powers_of_two, sliding_ring
+from kvd.engine.kvquant import dequantise, quantise
 from kvd.engine.model import EngineSpec, forward
 from kvd.kv import BudgetMode, KVManager, TenantBudget, build_layout
 from tests.engine.conftest import TinyModel, hf_logits
@@ -22,15 +24,16 @@ TOL = 1e-4
 class Harness:
     """The real KV manager and forward pass, asking for every token's logits."""
 
-    def __init__(self, model: TinyModel, pages: int = 256) -> None:
-        self.layout = build_layout(model.config.kv_geometry("float32"), BLOCK)
+    def __init__(self, model: TinyModel, pages: int = 256, kv_dtype: str = "float32") -> None:
+        self.layout = build_layout(model.config.kv_geometry(kv_dtype), BLOCK)
         self.kv = KVManager(self.layout, pages, mode=BudgetMode.FREE)
         self.kv.set_tenant("t", TenantBudget())
         # Sliding tables as the engine has them: rings over a window plus a step.
         self.ring = sliding_ring(self.layout, 64)
         spec = EngineSpec.build(model.config, self.layout, self.ring)
         self.params = jax.device_put(model.params)
-        self.pool = jnp.zeros((pages, self.layout.page_bytes // 4), jnp.float32)
+        dtype = jnp.dtype(kv_dtype)
+        self.pool = jnp.zeros((pages, self.layout.page_bytes // dtype.itemsize), dtype)
         self._forward = jax.jit(lambda p, pool, b: forward(spec, p, pool, b))
 
     def run_all_logits(self, work: list[tuple[Any, int]]) -> np.ndarray[Any, Any]:
@@ -121,3 +124,51 @@ def test_prefix_cache_hit_gives_the_same_logits(tiny: TinyModel) -> None:
     h.kv.allocate(again, 2, hit)
     ours = h.run_all_logits([(again, 2)])
     np.testing.assert_allclose(ours, expected[20:22], atol=TOL, rtol=0)
+
+
+# int8 K/V against a dequantised reference: the same forward pass, rotation
+# included, over an f32 pool whose K/V writes are quantised and dequantised on
+# the way in. Both attend over the same dequantised values, so they agree as
+# closely as f32 runs do.
+TOL_INT8 = 1e-4
+
+
+def _int8_run(tiny: TinyModel, kv_dtype: str) -> list[np.ndarray]:
+    """Logits of a prefill then ragged decodes past the window."""
+    model._traced_block.clear_cache()  # its traces are keyed by spec, not by to_pool
+    prompts = [_tokens(n, 30 + n) for n in (13, 2)]
+    full = [p + _tokens(12, 40 + i) for i, p in enumerate(prompts)]
+    h = Harness(tiny, kv_dtype=kv_dtype)
+    seqs = [h.kv.add_sequence(i, "t", f) for i, f in enumerate(full)]
+    for seq, p in zip(seqs, prompts, strict=True):
+        h.kv.allocate(seq, len(p))
+    logits = [h.run_all_logits([(seq, len(p)) for seq, p in zip(seqs, prompts, strict=True)])]
+    for _ in range(12):
+        for seq in seqs:
+            h.kv.allocate(seq, 1)
+        logits.append(h.run_all_logits([(seq, 1) for seq in seqs]))
+    if kv_dtype == "int8":
+        assert h.pool.dtype == jnp.int8
+    h.kv.check_invariants()
+    return logits
+
+
+def test_int8_kv_matches_a_dequantised_reference(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours = _int8_run(tiny, "int8")
+    exact = _int8_run(tiny, "float32")
+    group = tiny.config.kv_geometry("int8").quant_group
+
+    def round_trip(x: jax.Array, dtype: object, width: int) -> jax.Array:
+        return dequantise(quantise(x, group), x.shape[-1]).astype(dtype)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model, "to_pool", round_trip)
+    monkeypatch.setattr(model, "is_quantised", lambda dtype: True)  # rotate as int8 does
+    reference = _int8_run(tiny, "float32")
+    monkeypatch.undo()
+    model._traced_block.clear_cache()
+    for got, want in zip(ours, reference, strict=True):
+        np.testing.assert_allclose(got, want, atol=TOL_INT8, rtol=0)
+    # Quantisation really happened, and moved the logits by more than the tolerance.
+    assert max(float(np.abs(a - b).max()) for a, b in zip(ours, exact, strict=True)) > TOL_INT8

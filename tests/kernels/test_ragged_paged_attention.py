@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 
 from kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from kvd.engine.attention import paged_attention  # noqa: E402
+from kvd.engine.kvquant import quantise  # noqa: E402
 
 pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
 
@@ -154,3 +155,19 @@ def test_kernel_walks_ring_tables_and_skips_padding(window: int, chunk: int) -> 
         got = ragged_paged_attention(**args, scale=0.2, window=window, softcap=None, interpret=True)
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
         assert np.all(np.asarray(got)[-3:] == 0)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernel_dequantises_an_int8_pool_as_the_reference_does(window: int | None) -> None:
+    """Rows of head_dim int8 values and their scale: the kernel's result
+    equals the reference's over the same int8 pool."""
+    rng = np.random.default_rng(11)
+    batch = ragged_batch(
+        rng, CASES["mixed"], heads=4, kv_heads=2, head_dim=128, block_size=16, width=4,
+        slots=2, dtype=jnp.float32,
+    )  # fmt: skip
+    args = dict(batch, view=quantise(batch["view"]), slot=1, scale=0.1, window=window, softcap=None)
+    assert args["view"].dtype == jnp.int8
+    expected = paged_attention(**args)
+    got = ragged_paged_attention(**args, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)

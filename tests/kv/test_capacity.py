@@ -56,3 +56,25 @@ def test_sliding_only_models_have_no_length_bound() -> None:
     r = capacity_report(g, 64 * MIB)
     assert r.eager is not None and r.eager.longest_sequence_tokens is None
     assert r.kvd is not None and r.kvd.longest_sequence_tokens is None
+
+
+def test_int8_counts_its_scales_and_still_fits_34_sequences_of_512() -> None:
+    """int8 K/V pays a 4-byte f32 scale per 256 values (Gemma 4's 512-wide global
+    rows carry two), so it is not quite half of bf16; the layout keeps its 7
+    equal groups and no padding, and 34 sequences of 512 tokens fit 3.8 GiB."""
+    geometry = preset("gemma4-12b").with_dtype("int8")
+    assert geometry.quant_group == 256
+    r = capacity_report(geometry, POOL)
+    assert r.bytes_per_token.global_ == 8 * 2 * 8 * (512 + 8)
+    assert r.bytes_per_token.sliding == 40 * 2 * 8 * (256 + 4)
+    assert r.kvd is not None
+    assert r.kvd.groups == 7 and r.kvd.padded_layer_slots == 0
+    assert r.kvd.max_sequences_512 >= 34
+
+
+def test_int8_holds_at_least_1_9x_the_tokens_of_bf16_in_the_same_bytes() -> None:
+    for name in ("gemma3-270m", "gemma4-12b", "gemma3-27b"):
+        bf16 = capacity_report(preset(name).with_dtype("bf16"), POOL).kvd
+        int8 = capacity_report(preset(name).with_dtype("int8"), POOL).kvd
+        assert bf16 is not None and int8 is not None
+        assert int8.total_tokens >= 1.9 * bf16.total_tokens, name

@@ -80,3 +80,21 @@ def test_layout_prefers_exact_fit() -> None:
 def test_layout_rejects_bad_block_size() -> None:
     with pytest.raises(LayoutError):
         build_layout(preset("gemma3-1b"), 0)
+
+
+def test_quantisation_groups_divide_every_head_dim() -> None:
+    from kvd.kv.geometry import AttentionKind, KVGeometry, LayerType
+
+    mixed = KVGeometry(
+        "mixed",
+        (AttentionKind.SLIDING, AttentionKind.GLOBAL),
+        (
+            LayerType(AttentionKind.GLOBAL, 2, 96),
+            LayerType(AttentionKind.SLIDING, 2, 64, 8),
+        ),
+        "int8",
+    )
+    assert mixed.quant_group == 32
+    assert mixed.scale_bytes(AttentionKind.GLOBAL) == 3 * 4
+    assert mixed.scale_bytes(AttentionKind.SLIDING) == 2 * 4
+    assert mixed.with_dtype("bf16").scale_bytes(AttentionKind.GLOBAL) == 0
