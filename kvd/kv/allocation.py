@@ -29,6 +29,8 @@ class Allocation(PrefixCache):
         fresh = max(0, needed_blocks - blocks) * self.num_groups
         reused = charged = 0
         if hit is not None:
+            fresh += len(hit.reloads)  # host-tier blocks come back into fresh pages
+            charged += len(hit.reloads)
             holders, public = self.pool.holders, self.pool.public
             for table in hit.pages:
                 for page in table:
@@ -112,7 +114,7 @@ class Allocation(PrefixCache):
         if hit is not None:
             if hit.seq_id != seq.seq_id:
                 raise KVError(f"prefix hit of sequence {hit.seq_id} given for {seq.seq_id}")
-            if hit.epoch != self.pool.evictions or hit.generation != self.generation:
+            if hit.epoch != self.cache_epoch() or hit.generation != self.generation:
                 raise KVError("stale prefix hit: the cache or sharing changed since the lookup")
         if not self.fits(seq.tenant, demand):
             return demand
@@ -170,6 +172,8 @@ class Allocation(PrefixCache):
                 if page:
                     touch(page, tenant)
             table += pages
+        if hit.reloads:
+            self._reload(seq, hit)
         seq.num_blocks = hit.num_blocks
         seq.table_version = next(self._stamps)
         seq.num_computed = seq.num_allocated = seq.cached_tokens = hit.num_tokens
@@ -178,10 +182,29 @@ class Allocation(PrefixCache):
         if not first:
             return
         self.prefix_hit_tokens += hit.num_tokens
+        self.host_hit_tokens += hit.reload_blocks * self.block_size
         name = hit.scope.public_prefix
         if name is not None and name in self.public:
             served = min(hit.num_blocks, hit.scope.public_blocks) * self.block_size
             self.public.hits[name] += served
+
+    def _reload(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Fresh pages for the hit's host-tier blocks, queued to be copied in,
+        and back in the device's cache under their keys. The blocks leave the
+        tier before pages are taken, so the evictions taking them may cause
+        cannot drop them."""
+        assert seq.scope is not None
+        hashes = self._extend_hashes(seq, hit.num_blocks)
+        keys = [(g, hashes[block]) for g, block in hit.reloads]
+        claimed = [self.host.claim(key) for key in keys]
+        pages = self.pool.take(seq.tenant, len(keys))
+        live = self.public.live_ids()
+        for (g, block), key, held, page in zip(hit.reloads, keys, claimed, pages, strict=True):
+            seq.tables[g][block] = page
+            self.host.copy_in(held, page)
+            public = held.public & live if held.public is not None else None
+            if held.public is None or public:
+                self.pool.register(page, key, public or None)
 
     def extend_decodes(
         self,

@@ -18,8 +18,9 @@ from kvd.kv.columns import (
     SequenceColumns,
 )
 from kvd.kv.geometry import AttentionKind
+from kvd.kv.hosttier import HostTier
 from kvd.kv.layout import PageLayout
-from kvd.kv.ledger import BudgetMode, Ledger
+from kvd.kv.ledger import SHARED_ACCOUNT, BudgetMode, Ledger
 from kvd.kv.pool import PagePool
 from kvd.kv.records import KVError
 from kvd.kv.scope import PublicPrefixes, SharingPolicy
@@ -39,6 +40,8 @@ class KVCore:
         self.block_size = layout.block_size
         self.ledger = Ledger(num_pages - 1, mode)
         self.pool = PagePool(num_pages, self.ledger)
+        self.host = HostTier(0)  # off until ``enable_host_tier``
+        self.host.add_account(SHARED_ACCOUNT)
         self.policy = SharingPolicy(policy)
         self.public = PublicPrefixes()
         self.sequences: dict[int, Sequence] = {}
@@ -58,6 +61,12 @@ class KVCore:
         self.generation = 0  # bumped by every change of who may share what
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.host_hit_tokens = 0
+
+    def cache_epoch(self) -> int:
+        """Moves whenever a cached block leaves either tier or the host tier
+        hands one back: a prefix hit from an older epoch may name it."""
+        return self.pool.evictions + self.host.evictions + self.host.reloaded
 
     def log_table_edits(self) -> list[tuple[int, int, int, int]]:
         """Start logging single-entry table edits (see ``table_edits``); the

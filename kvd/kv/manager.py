@@ -49,11 +49,31 @@ class KVManager(Swapping):
 
     def set_tenant(self, name: str, budget: TenantBudget) -> None:
         self.ledger.set_tenant(name, budget)
+        self.host.add_account(name)
 
     def remove_tenant(self, name: str) -> None:
+        """Forget a tenant; its blocks on the host tier go with it (its idle
+        device pages stay cached until evicted, and are then not kept)."""
         if any(s.tenant == name for s in self.sequences.values()):
             raise KVError(f"tenant {name!r} still has sequences")
         self.ledger.remove_tenant(name)
+        self.host.remove_account(name)
+
+    def enable_host_tier(self, pages: int) -> None:
+        """Keep evicted cached pages in a host budget of ``pages`` pages (shared
+        with swapped-out sequences); 0 turns the tier off and empties it."""
+        if pages < 0:
+            raise ValueError("a host tier cannot hold fewer than 0 pages")
+        self.host.resize(pages)
+        self.pool.host = self.host if pages > 0 else None
+        if not pages:
+            self.host.drop_where()
+
+    def set_host_quota(self, name: str, pages: int | None) -> int:
+        """Most host-tier pages ``name``'s blocks may hold (None: the whole
+        tier); blocks past a lowered quota are dropped at once (returned)."""
+        self.ledger.tenant(name)  # raises BudgetError for an unknown tenant
+        return self.host.set_quota(name, pages)
 
     def set_mode(self, mode: BudgetMode) -> None:
         self.ledger.set_mode(mode)
@@ -76,7 +96,9 @@ class KVManager(Swapping):
     def remove_public_prefix(self, name: str) -> None:
         """Unregister a public prefix; its pages that no other prefix covers
         leave the cache (idle ones are freed, held ones become private)."""
-        self.pool.unpublish(self.public.remove(name))
+        prefix_id = self.public.remove(name)
+        self.pool.unpublish(prefix_id)
+        self.host.drop_where(public_id=prefix_id)
         self.ledger.set_public_bound(self._public_bound())
         self.generation += 1
 
@@ -85,8 +107,9 @@ class KVManager(Swapping):
         return sum(length // self.block_size for length in lengths) * self.num_groups
 
     def flush_cache(self) -> int:
-        """Forget all cached pages nobody uses; returns how many were freed."""
-        return self.pool.flush()
+        """Forget all cached pages nobody uses, on both tiers; returns how
+        many were dropped."""
+        return self.pool.flush() + self.host.drop_where()
 
     def stats(self) -> KVStats:
         pool = self.pool
@@ -103,8 +126,18 @@ class KVManager(Swapping):
             cache_evictions=pool.evictions,
             policy=self.policy.value,
             mode=self.ledger.mode.value,
+            host_pages=self.host.total,
+            host_cached_pages=len(self.host),
+            host_swap_pages=self.host.swap_held,
+            host_hit_tokens=self.host_hit_tokens,
+            host_offloads=self.host.offloaded,
+            host_evictions=self.host.evictions,
         )
 
     def check_invariants(self) -> None:
-        """Refcounts equal block-table references; tables are consistent."""
+        """Refcounts equal block-table references; tables are consistent;
+        the host tier's charges and quotas hold, and it shares no key with
+        the device."""
         check_invariants(self)
+        self.host.check_invariants()
+        assert not self.host.blocks.keys() & self.pool.index.keys(), "a block on both tiers"

@@ -18,8 +18,12 @@ head, which forgets their cache key: cached pages survive as long as possible.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from kvd.kv.ledger import SHARED_ACCOUNT, Ledger
+
+if TYPE_CHECKING:
+    from kvd.kv.hosttier import HostTier
 
 NULL_PAGE = 0
 
@@ -45,6 +49,10 @@ class PagePool:
         self.lru: OrderedDict[int, None] = OrderedDict()  # head = least recently used
         self.index: dict[CacheKey, int] = {}
         self.evictions = 0  # cached pages whose key was dropped; stales prefix hits
+        # Who a cached page's content is charged to on the host tier: the
+        # account that paid for it when it was registered.
+        self.owner: list[str | None] = [None] * num_pages
+        self.host: HostTier | None = None  # where evicted cached pages go, if anywhere
 
     @property
     def capacity(self) -> int:
@@ -74,6 +82,11 @@ class PagePool:
                 page = free.pop()
             else:
                 page, _ = lru.popitem(last=False)
+                key = self.key[page]
+                if self.host is not None and key is not None:
+                    owner = self.owner[page]
+                    assert owner is not None
+                    self.host.offer(key, page, owner, self.public[page])
                 self._forget(page)
             self.ref[page] = 1
             self.holders[page] = {account: 1}
@@ -143,6 +156,9 @@ class PagePool:
             return False
         self.index[key] = page
         self.key[page] = key
+        self.owner[page] = SHARED_ACCOUNT if public else self.account_of(page)
+        if self.host is not None:
+            self.host.discard(key)  # computed again on the device: one copy is enough
         if public:
             payer = self.account_of(page)
             self.public[page] = public

@@ -5,6 +5,8 @@ offering computed full blocks to the cache."""
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from kvd.kv.core import KVCore
 from kvd.kv.records import KVError, PrefixHit
 from kvd.kv.scope import Scope, chain_hashes, resolve_scope
@@ -31,14 +33,16 @@ class PrefixCache(KVCore):
             )
         return hashes
 
-    def lookup(self, seq: Sequence) -> PrefixHit:
-        """The longest prefix of a waiting sequence whose KV is resident.
+    def lookup(self, seq: Sequence, *, host: bool = True) -> PrefixHit:
+        """The longest prefix of a waiting sequence whose KV is cached, on the
+        device or (``host``) on the host tier.
 
         Only full blocks count, and at least one token is left to compute (its
         logits are needed). Global groups need every block of the hit; sliding
         groups only the blocks the first uncomputed token can see. The hit is
         the longest length that satisfies every group (as vLLM intersects
-        full-attention and sliding-window hits).
+        full-attention and sliding-window hits). Blocks found only on the host
+        tier are listed in ``reloads``.
         """
         self._own(seq)
         if seq.state is not KVState.WAITING:
@@ -47,44 +51,53 @@ class PrefixCache(KVCore):
         max_blocks = (len(seq.tokens) - 1) // self.block_size
         hashes = self._extend_hashes(seq, max_blocks)
         index = self.pool.index
+        tier = self.host.blocks if host and self.host.blocks else None
+        cached = index if tier is None else _Either(index, tier)
         hit = 0
         for block in range(max_blocks):
             h = hashes[block]
-            if not all((g, h) in index for g in self.global_groups):
+            if not all((g, h) in cached for g in self.global_groups):
                 break
             hit += 1
         sliding_start = 0
         if self.sliding_groups:
-            hit = self._sliding_hit(hashes, hit)
+            hit = self._sliding_hit(hashes, hit, cached)
             sliding_start = self.first_needed_block(hit * self.block_size)
-        pages = tuple(
-            tuple(
-                index[(g, hashes[b])] if (b >= sliding_start or g in self.global_groups) else 0
-                for b in range(hit)
-            )
-            for g in range(self.num_groups)
-        )
+        reloads: list[tuple[int, int]] = []
+        pages: list[tuple[int, ...]] = []
+        for g in range(self.num_groups):
+            row = []
+            for b in range(hit):
+                page = 0
+                if b >= sliding_start or g in self.global_groups:
+                    found = index.get((g, hashes[b]))
+                    if found is None:
+                        reloads.append((g, b))
+                    else:
+                        page = found
+                row.append(page)
+            pages.append(tuple(row))
         return PrefixHit(
             seq.seq_id,
             hit,
             hit * self.block_size,
             sliding_start,
-            pages,
-            self.pool.evictions,
+            tuple(pages),
+            self.cache_epoch(),
             self.generation,
             scope,
+            tuple(reloads),
         )
 
-    def _sliding_hit(self, hashes: list[bytes], limit: int) -> int:
+    def _sliding_hit(self, hashes: list[bytes], limit: int, cached: Container[object]) -> int:
         """Longest hit <= limit whose in-window blocks are cached in every sliding group."""
-        index = self.pool.index
         hit = limit
         while hit > 0:
             first = self.first_needed_block(hit * self.block_size)
             missing = None
             for block in range(hit - 1, first - 1, -1):
                 h = hashes[block]
-                if not all((g, h) in index for g in self.sliding_groups):
+                if not all((g, h) in cached for g in self.sliding_groups):
                     missing = block
                     break
             if missing is None:
@@ -125,3 +138,13 @@ class PrefixCache(KVCore):
                 page = table[block]
                 if page:
                     register(page, (g, key_hash), public)
+
+
+class _Either:
+    """Membership in either of two mappings (the device index, the host tier)."""
+
+    def __init__(self, first: Container[object], second: Container[object]) -> None:
+        self.first, self.second = first, second
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.first or key in self.second

@@ -23,9 +23,17 @@ class PrefixHit(msgspec.Struct, frozen=True):
     num_tokens: int
     sliding_start: int
     pages: tuple[tuple[int, ...], ...]
-    epoch: int  # cache evictions at lookup time
+    epoch: int  # cache evictions (both tiers) and host reloads at lookup time
     generation: int  # sharing configuration at lookup time
     scope: Scope
+    # (group, block) of the hit held by the host tier, not the device: copied
+    # back into fresh pages when the hit is allocated (``pages`` has 0 there).
+    reloads: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def reload_blocks(self) -> int:
+        """Blocks of the hit with at least one group on the host tier."""
+        return len({block for _, block in self.reloads})
 
 
 class Demand(msgspec.Struct, frozen=True):
@@ -61,3 +69,9 @@ class KVStats(msgspec.Struct, frozen=True):
     cache_evictions: int
     policy: str
     mode: str
+    host_pages: int = 0  # the host budget (swap and the host tier), 0: no tier
+    host_cached_pages: int = 0
+    host_swap_pages: int = 0
+    host_hit_tokens: int = 0  # of prefix_hit_tokens, served from the host tier
+    host_offloads: int = 0
+    host_evictions: int = 0

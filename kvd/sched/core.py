@@ -55,7 +55,10 @@ class SchedulerCore:
         executor.bind(kv)
         self.rates = rates
         self.clock = clock
-        self.swap_space = SwapSpace(config.swap_pages)
+        kv.enable_host_tier(config.host_pages)
+        self.swap_space = SwapSpace(config.swap_pages, kv.host)
+        # Host-tier block contents by host slot (the tier keeps the bookkeeping).
+        self.host_store: dict[int, np.ndarray[Any, Any]] = {}
         self.tenants: dict[str, TenantConfig] = {}
         self.limiters: dict[str, TenantLimiter] = {}
         self.queues: dict[str, deque[Request]] = {}
@@ -110,6 +113,7 @@ class SchedulerCore:
                 f"unknown tier {tenant.tier!r} (tiers: {', '.join(self.config.tiers)})"
             )
         self.kv.set_tenant(tenant.name, TenantBudget(tenant.reservation_pages, tenant.cap_pages))
+        self.kv.set_host_quota(tenant.name, tenant.host_quota_pages)
         self.counters.set_weight(tenant.name, tenant.weight)
         old = self.tenants.get(tenant.name)
         if old is None or old.limits != tenant.limits:
@@ -136,6 +140,23 @@ class SchedulerCore:
         for table in (self.tenants, self.limiters, self.queues, self.tenant_stats):
             table.pop(name, None)
         self.counters.forget(name)
+
+    def sync_host_tier(self) -> None:
+        """Do the copies the host tier queued: pages it took in are copied out
+        before anything overwrites them (a step, a swap-in), blocks a hit
+        brought back are copied in before a step reads them; slots it let go
+        of are dropped. Called before every engine step and device write."""
+        copies = self.kv.host.take_copies()
+        store = self.host_store
+        if copies.offload:
+            rows = self.executor.copy_out([page for page, _ in copies.offload])
+            for (_, slot), row in zip(copies.offload, rows, strict=True):
+                store[slot] = row
+        if copies.reload:
+            data = np.stack([store.pop(slot) for slot, _ in copies.reload])
+            self.executor.copy_in([page for _, page in copies.reload], data)
+        for slot in copies.freed:
+            store.pop(slot, None)
 
     def _backlogged(self, tenant: str) -> bool:
         return bool(self.queues[tenant]) or any(r.tenant == tenant for r in self.running.values())

@@ -163,6 +163,7 @@ class Preemption(Admission):
         blocks, data = request.host_pages
         rows = {key: i for i, key in enumerate(blocks)}
         copies = self.kv.swap_in(seq)
+        self.sync_host_tier()  # its pages may hold evicted blocks not yet copied out
         self.executor.copy_in(
             [c.page for c in copies], data[[rows[(c.group, c.block)] for c in copies]]
         )

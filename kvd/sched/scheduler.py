@@ -30,6 +30,7 @@ import numpy as np
 
 from kvd.kv.columns import COMPUTED, LENGTH
 from kvd.kv.ledger import BudgetMode
+from kvd.kv.records import PrefixHit
 from kvd.kv.sequence import Sequence
 from kvd.sched.requests import (
     ParamsOf,
@@ -98,6 +99,7 @@ class Scheduler(TokenHandling):
         kv = self.kv
         block = kv.columns.matrix[:, slots]  # the step's counters, gathered once
         counts = work.counts
+        self.sync_host_tier()
         tokens, logprobs, stopped = self.executor.run(
             seqs, counts, ParamsOf(requests), slots, block
         )
@@ -232,6 +234,8 @@ class Scheduler(TokenHandling):
             )
         seq = request.seq
         hit = kv.lookup(seq)
+        if hit.reloads and not self._reload_pays(hit, seq):
+            hit = kv.lookup(seq, host=False)
         n = plan.room(hit.num_tokens, len(seq.tokens) - hit.num_tokens)
         if n <= 0:
             return None
@@ -260,5 +264,17 @@ class Scheduler(TokenHandling):
         if not request.charged_input:
             self.counters.charge(request.tenant, input_tokens=len(request.prompt))
             request.charged_input = True
+        if hit.reloads and self.rates is not None:
+            plan.add_copy(self.rates.swap_s(len(hit.reloads)) / 2)
         plan.add(request, granted, seq.num_computed)
         return True
+
+    def _reload_pays(self, hit: PrefixHit, seq: Sequence) -> bool:
+        """Copying the hit's host-tier blocks back beats recomputing them
+        (the cost model's copy and prefill rates; without rates, copy)."""
+        rates = self.rates
+        if rates is None:
+            return True
+        device = self.kv.lookup(seq, host=False).num_tokens
+        copy_in_s = rates.swap_s(len(hit.reloads)) / 2
+        return copy_in_s < rates.recompute_s(hit.num_tokens, device)

@@ -1,24 +1,42 @@
-"""The host memory swapped-out sequences hold: bounded in all, and per tenant."""
+"""The host memory swapped-out sequences hold: bounded in all, and per tenant.
+
+With a host tier (``KVManager.enable_host_tier``) the bound is the tier's
+one host budget: swap comes first, and taking pages drops cached host blocks
+(least recently used first) to make room. Without one it is its own budget.
+"""
 
 from __future__ import annotations
+
+from kvd.kv.hosttier import HostTier
 
 
 class SwapSpace:
     """Host pages held by swapped-out sequences, per tenant."""
 
-    def __init__(self, total: int | None = None) -> None:
-        self.total = total  # None: unbounded
+    def __init__(self, total: int | None = None, tier: HostTier | None = None) -> None:
+        self.own_total = total  # None: unbounded (used only without a tier)
+        self.tier = tier
         self.used: dict[str, int] = {}
         self.held = 0
 
+    @property
+    def total(self) -> int | None:
+        if self.tier is not None and self.tier.enabled:
+            return self.tier.total
+        return self.own_total
+
     def fits(self, tenant: str, pages: int, tenant_limit: int | None) -> bool:
-        if self.total is not None and self.held + pages > self.total:
+        total = self.total
+        if total is not None and self.held + pages > total:
             return False
         return tenant_limit is None or self.used.get(tenant, 0) + pages <= tenant_limit
 
     def take(self, tenant: str, pages: int) -> None:
+        if self.tier is not None and self.tier.enabled:
+            self.tier.make_room(pages)  # cached blocks give way to live state
         self.used[tenant] = self.used.get(tenant, 0) + pages
         self.held += pages
+        self._publish()
 
     def give(self, tenant: str, pages: int) -> None:
         left = self.used.get(tenant, 0) - pages
@@ -29,3 +47,8 @@ class SwapSpace:
         else:
             self.used.pop(tenant, None)
         self.held -= pages
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.tier is not None:
+            self.tier.swap_held = self.held

@@ -353,3 +353,25 @@ def test_the_engine_tables_follow_the_kv_tables(make_engine: MakeEngine) -> None
             checked += 1
     assert checked > 100
     scheduler.kv.check_invariants()
+
+
+def test_a_host_tier_hit_yields_the_tokens_of_a_device_hit(engine) -> None:  # type: ignore[no-untyped-def]
+    """On the real engine: a prefix evicted from the pool to the host tier and
+    copied back gives the greedy tokens a recompute gives, and is counted as
+    a host hit."""
+    shared = prompt(21, 64)
+    want = reference(engine, shared + [9], 12)
+    scheduler = Scheduler(engine, SchedulerConfig(host_pages=256), clock=Clock(1000.0))
+    scheduler.set_tenant(TenantConfig("t"))
+    scheduler.submit("warm", "t", shared + [7], greedy(4))
+    run_to_end(scheduler)
+    for i in range(6):  # unrelated prompts take every page of the 256-token pool
+        scheduler.submit(f"flood{i}", "t", prompt(300 + i, 90), greedy(2))
+    run_to_end(scheduler)
+    assert scheduler.kv.stats().host_offloads > 0
+    before = scheduler.kv.stats()
+    scheduler.submit("again", "t", shared + [9], greedy(12))
+    got = run_to_end(scheduler)["again"]
+    after = scheduler.kv.stats()
+    assert after.host_hit_tokens - before.host_hit_tokens > 0
+    assert got == want

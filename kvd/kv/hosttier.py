@@ -1,0 +1,227 @@
+"""The prefix cache's second tier: cached blocks kept in host memory.
+
+When the pool evicts a cached, unreferenced page to reuse it, the tier (if
+its account's quota and the host budget allow) keeps the page's content
+under the same cache key, so a later request with that prefix copies it
+back instead of recomputing it. The key is the block's scoped hash (group,
+hash of tenant or public scope, salt and tokens), so the sharing policies
+hold on this tier exactly as on the device: a lookup can only name keys of
+its own scope.
+
+Accounting (pages of the pool's page size, on the host):
+- one host budget, ``total``, shared with swapped-out sequences
+  (``kvd.sched.swapspace``): swap holds live state and comes first, the
+  tier fills what swap leaves and gives blocks back (least recently used
+  first) when swap needs them;
+- each block is charged to one account: the tenant whose private page it
+  was, or the shared account for a public page;
+- each account may hold at most its ``quota`` pages (None: the whole tier);
+  a block past its account's quota evicts that account's own least recently
+  used block, never another tenant's, and a quota lowered live drops the
+  excess at once.
+
+The tier is pure bookkeeping: a block's bytes live with whoever copies them
+(the scheduler's host store), found by the block's ``slot``. Offloads and
+reloads are queued here and drained by the caller around the engine step
+(``take_copies``): a page evicted in this step is copied out before the
+step overwrites it, a reloaded block copied in before the step reads it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import msgspec
+
+from kvd.kv.pool import CacheKey
+
+
+class HostBlock(msgspec.Struct):
+    slot: int  # row in the caller's host store
+    account: str  # the tenant charged, or the shared account
+    public: frozenset[int] | None  # the public prefixes it lies in, if public
+
+
+class HostCopies(msgspec.Struct):
+    """What must move before the next step: (device page, host slot) pairs."""
+
+    offload: list[tuple[int, int]]  # device page -> host slot (copy out)
+    reload: list[tuple[int, int]]  # host slot -> device page (copy in)
+    freed: list[int]  # host slots whose data may be dropped
+
+
+class HostTier:
+    def __init__(self, total: int) -> None:
+        if total < 0:
+            raise ValueError("a host tier cannot hold fewer than 0 pages")
+        self.total = total  # the host budget in pages, swap included
+        self.swap_held = 0  # pages swapped-out sequences hold (kept by SwapSpace)
+        self.blocks: OrderedDict[CacheKey, HostBlock] = OrderedDict()  # head: LRU
+        self.used: dict[str, int] = {}
+        self.quotas: dict[str, int | None] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self.evictions = 0  # blocks dropped: stales prefix hits that named them
+        self.offloaded = 0  # blocks stored, ever
+        self.reloaded = 0  # blocks copied back, ever
+        self._offload: list[tuple[int, int]] = []
+        self._reload: list[tuple[int, int]] = []
+        self._freed: list[int] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.total > 0
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def room(self) -> int:
+        """Pages of the host budget neither swap nor the tier holds."""
+        return self.total - self.swap_held - len(self.blocks)
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return key in self.blocks
+
+    # -- storing -------------------------------------------------------------
+
+    def offer(self, key: CacheKey, page: int, account: str, public: frozenset[int] | None) -> bool:
+        """The pool evicts ``page`` (cached under ``key``): keep a copy if the
+        account's quota and the budget allow. Queues the copy out."""
+        if not self.enabled or key in self.blocks or account not in self.quotas:
+            return False  # (an account not in quotas: a tenant since removed)
+        quota = self.quotas[account]
+        if quota is not None and quota <= 0:
+            return False
+        if quota is not None and self.used.get(account, 0) >= quota:
+            self._drop(self._oldest_of(account))
+        elif self.room() <= 0:
+            if not self.blocks:
+                return False  # swap holds the whole budget
+            self._drop(next(iter(self.blocks)))
+        slot = self._free_slots.pop() if self._free_slots else self._take_slot()
+        self.blocks[key] = HostBlock(slot, account, public)
+        self.used[account] = self.used.get(account, 0) + 1
+        self._offload.append((page, slot))
+        self.offloaded += 1
+        return True
+
+    def _take_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot += 1
+        return slot
+
+    def _oldest_of(self, account: str) -> CacheKey:
+        return next(key for key, block in self.blocks.items() if block.account == account)
+
+    def touch(self, key: CacheKey) -> None:
+        self.blocks.move_to_end(key)
+
+    def claim(self, key: CacheKey) -> HostBlock:
+        """A prefix hit takes ``key``'s block back to the device: it leaves the
+        tier now (so nothing evicts it), its slot stays until ``copy_in``'s
+        copy is taken."""
+        block = self.blocks.pop(key)
+        self._uncharge(block)
+        self.reloaded += 1
+        return block
+
+    def copy_in(self, block: HostBlock, page: int) -> None:
+        self._reload.append((block.slot, page))
+
+    # -- dropping ------------------------------------------------------------
+
+    def _uncharge(self, block: HostBlock) -> None:
+        left = self.used[block.account] - 1
+        if left:
+            self.used[block.account] = left
+        else:
+            del self.used[block.account]
+
+    def _drop(self, key: CacheKey) -> None:
+        block = self.blocks.pop(key)
+        self._uncharge(block)
+        self._free_slot(block.slot)
+        self.evictions += 1
+
+    def _free_slot(self, slot: int) -> None:
+        # A slot whose copy out is still queued is simply not copied.
+        self._offload = [(p, s) for p, s in self._offload if s != slot]
+        self._free_slots.append(slot)
+        self._freed.append(slot)
+
+    def discard(self, key: CacheKey) -> None:
+        """Drop ``key``'s block if held (the device holds that content again)."""
+        if key in self.blocks:
+            self._drop(key)
+
+    def make_room(self, pages: int) -> bool:
+        """Free ``pages`` of the budget for swap, least recently used blocks
+        first; False (nothing dropped) if even an empty tier is too small."""
+        if self.total - self.swap_held < pages:
+            return False
+        while self.room() < pages:
+            self._drop(next(iter(self.blocks)))
+        return True
+
+    def drop_where(self, account: str | None = None, public_id: int | None = None) -> int:
+        """Drop every block of ``account``, or every public block in the
+        public prefix ``public_id``, or (neither) every block; returns how many."""
+        doomed = [
+            key
+            for key, block in self.blocks.items()
+            if (account is None or block.account == account)
+            and (public_id is None or (block.public is not None and public_id in block.public))
+        ]
+        for key in doomed:
+            self._drop(key)
+        return len(doomed)
+
+    def add_account(self, account: str) -> None:
+        self.quotas.setdefault(account, None)
+
+    def set_quota(self, account: str, pages: int | None) -> int:
+        """Set an account's quota; blocks past it go at once (oldest first).
+        Returns how many were dropped."""
+        self.quotas[account] = pages
+        if pages is None:
+            return 0
+        dropped = 0
+        while self.used.get(account, 0) > max(pages, 0):
+            self._drop(self._oldest_of(account))
+            dropped += 1
+        return dropped
+
+    def remove_account(self, account: str) -> int:
+        self.quotas.pop(account, None)
+        return self.drop_where(account=account)
+
+    def resize(self, total: int) -> None:
+        """A new host budget; blocks past it go, least recently used first."""
+        self.total = total
+        while self.blocks and self.room() < 0:
+            self._drop(next(iter(self.blocks)))
+
+    # -- the caller's side ---------------------------------------------------
+
+    def take_copies(self) -> HostCopies:
+        """The copies queued since the last call (the caller performs them
+        before the next engine step) and the host slots it may now drop."""
+        copies = HostCopies(self._offload, self._reload, self._freed)
+        self._offload, self._reload, self._freed = [], [], []
+        for slot, _ in copies.reload:
+            self._free_slots.append(slot)
+        return copies
+
+    def check_invariants(self) -> None:
+        charges: dict[str, int] = {}
+        slots = set()
+        for block in self.blocks.values():
+            charges[block.account] = charges.get(block.account, 0) + 1
+            slots.add(block.slot)
+        assert charges == self.used, (charges, self.used)
+        assert len(slots) == len(self.blocks), "two blocks share a host slot"
+        assert not slots & set(self._free_slots), "a held slot is free"
+        assert self.swap_held + len(self.blocks) <= max(self.total, self.swap_held)
+        for account, quota in self.quotas.items():
+            if quota is not None:
+                assert self.used.get(account, 0) <= max(quota, 0), account
