@@ -85,6 +85,7 @@ def render_status(s: dict[str, Any]) -> str:
     lines = [
         f"kvd {s['version']} pid {s['pid']}, up {s['uptime_s']} s, device {s['device']}",
         f"model {s['model']['name']} ({s['model']['source']}, {s['model']['dtype']}, "
+        f"KV {s['model'].get('kv_dtype', s['model']['dtype'])}, "
         f"context {s['model']['max_model_len']})",
         f"pool {pool['pages']} pages x {page_mib:.3g} MiB: used {pool['used']}, "
         f"cached {pool['cached']}, free {pool['free']}, reserved {pool['reserved']}",
@@ -93,8 +94,16 @@ def render_status(s: dict[str, Any]) -> str:
         f"(running {s['requests']['running']}, waiting {s['requests']['waiting']}, "
         f"swapped {s['requests']['swapped']})",
         f"prefix cache: {prefix['hit_tokens']} of {prefix['query_tokens']} prompt tokens hit "
-        f"({prefix['hit_rate']:.1%})",
+        f"({prefix['hit_rate']:.1%}; device {prefix.get('device_hit_tokens', 0)}, "
+        f"host {prefix.get('host_hit_tokens', 0)})",
     ]
+    host = s.get("host")
+    if host and host["pages"]:
+        lines.append(
+            f"host tier {host['pages']} pages ({host['bytes'] / 2**30:.3g} GiB, shared with swap): "
+            f"cached {host['cached_pages']}, swap {host['swap_pages']}, "
+            f"offloaded {host['offloads']}, dropped {host['evictions']}"
+        )
     restored = (s.get("state") or {}).get("restored")
     if restored and restored["overrides"]:
         lines.append(
@@ -118,11 +127,12 @@ def render_status(s: dict[str, Any]) -> str:
 def render_tenants(tenants: list[dict[str, Any]]) -> str:
     return table(
         ["TENANT", "TIER", "WEIGHT", "USED", "RESERVED", "CAP", "RUN", "WAIT", "SWAP",
-         "RPM", "TPM", "OUT TOKENS", "PREEMPT"],
+         "HOST", "HOST QUOTA", "RPM", "TPM", "OUT TOKENS", "PREEMPT"],
         [
             [
                 t["name"], t["tier"], t["weight"], t["used_pages"], t["reservation_pages"],
                 t["cap_pages"], t["running"], t["waiting"], t["swapped"],
+                t.get("host_cached_pages", 0), t.get("host_quota_pages"),
                 t["requests_per_minute"], t["tokens_per_minute"], t["completion_tokens"],
                 t["preempted_recompute"] + t["preempted_swap"],
             ]

@@ -87,6 +87,10 @@ def _tenant_options(f: Any) -> Any:
         click.option(
             "--swap", help="Host swap it may hold: a share of swap_space ('50%'), a size, or 'all'."
         ),
+        click.option(
+            "--host-quota",
+            help="Host-tier cache it may hold: a share of pool.host_size ('25%'), a size or 'all'.",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -104,6 +108,7 @@ def _tenant_fields(
     tpm: str | None,
     max_queue: int | None,
     swap: str | None,
+    host_quota: str | None,
 ) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "api_key_sha256": admin.key_digest(key, key_sha256),
@@ -113,12 +118,14 @@ def _tenant_fields(
         "weight": weight,
         "max_queue": max_queue,
         "swap": swap,
+        "host_quota": host_quota,
     }
     fields = {k: v for k, v in fields.items() if v is not None}
     if fields.get("burst_cap") == "none":
         fields["burst_cap"] = None
-    if fields.get("swap") == "all":
-        fields["swap"] = None
+    for key in ("swap", "host_quota"):
+        if fields.get(key) == "all":
+            fields[key] = None
     for name, value, option in (
         ("requests_per_minute", rpm, "--rpm"),
         ("tokens_per_minute", tpm, "--tpm"),

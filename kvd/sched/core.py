@@ -114,6 +114,7 @@ class SchedulerCore:
             )
         self.kv.set_tenant(tenant.name, TenantBudget(tenant.reservation_pages, tenant.cap_pages))
         self.kv.set_host_quota(tenant.name, tenant.host_quota_pages)
+        self.sync_host_tier()  # a lowered quota's blocks are gone now, data included
         self.counters.set_weight(tenant.name, tenant.weight)
         old = self.tenants.get(tenant.name)
         if old is None or old.limits != tenant.limits:
@@ -137,9 +138,16 @@ class SchedulerCore:
         if live:
             raise ValueError(f"tenant {name!r} has {live} live requests: drain them first")
         self.kv.remove_tenant(name)
+        self.sync_host_tier()
         for table in (self.tenants, self.limiters, self.queues, self.tenant_stats):
             table.pop(name, None)
         self.counters.forget(name)
+
+    def flush_cache(self) -> int:
+        """Forget every cached block nobody uses, on both tiers (host data too)."""
+        flushed = self.kv.flush_cache()
+        self.sync_host_tier()
+        return flushed
 
     def sync_host_tier(self) -> None:
         """Do the copies the host tier queued: pages it took in are copied out
@@ -248,6 +256,7 @@ class SchedulerCore:
                 pages_cap=account.cap if account else None,
                 surplus_pages=kv.ledger.surplus(name) if account else 0,
                 host_swap_pages=self.swap_space.used.get(name, 0),
+                host_cached_pages=kv.host.used.get(name, 0),
                 service=self.counters.service.get(name, 0.0),
             )
             tenants[name] = stats
@@ -273,4 +282,10 @@ class SchedulerCore:
             prefill_tokens_per_s=rates.prefill_tokens_per_s if rates else None,
             copy_bytes_per_s=rates.copy_bytes_per_s if rates else None,
             crossover_tokens=rates.crossover_tokens() if rates else None,
+            host_pages=kv.host.total,
+            host_cached_pages=len(kv.host),
+            host_swap_pages=kv.host.swap_held if kv.host.enabled else self.swap_space.held,
+            host_hit_tokens=kv.host_hit_tokens,
+            host_offloads=kv.host.offloaded,
+            host_evictions=kv.host.evictions,
         )

@@ -51,6 +51,7 @@ class TenantPatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tokens_per_minute: float | None | UnsetType = UNSET
     max_queue: int | UnsetType = UNSET
     swap: str | None | UnsetType = UNSET  # null: all of scheduler.swap_space
+    host_quota: str | None | UnsetType = UNSET  # null: all of pool.host_size
 
 
 class ModeBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -118,6 +119,7 @@ class Admin:
         runtime.snapshot = stats  # fresh figures for /metrics too
         rates = scheduler.rates
         query, hit = kv.prefix_query_tokens, kv.prefix_hit_tokens
+        kv_stats = kv.stats()
         return {
             "version": __version__,
             "pid": os.getpid(),
@@ -127,6 +129,7 @@ class Admin:
                 "name": self.server.model_name,
                 "source": self.config.model.source,
                 "dtype": self.config.model.dtype,
+                "kv_dtype": kv.layout.geometry.dtype,
                 "max_model_len": self.config.model.max_model_len,
             },
             "pool": {
@@ -151,6 +154,16 @@ class Admin:
                 "query_tokens": query,
                 "hit_tokens": hit,
                 "hit_rate": round(hit / query, 4) if query else 0.0,
+                "device_hit_tokens": hit - kv_stats.host_hit_tokens,
+                "host_hit_tokens": kv_stats.host_hit_tokens,
+            },
+            "host": {
+                "pages": kv_stats.host_pages,
+                "bytes": kv_stats.host_pages * kv.layout.page_bytes,
+                "cached_pages": kv_stats.host_cached_pages,
+                "swap_pages": kv_stats.host_swap_pages,
+                "offloads": kv_stats.host_offloads,
+                "evictions": kv_stats.host_evictions,
             },
             "rates": None
             if rates is None
@@ -186,6 +199,9 @@ class Admin:
                     "swap": entry.swap,
                     "swap_pages": config.swap_pages,
                     "host_swap_pages": tenant.host_swap_pages,
+                    "host_quota": entry.host_quota,
+                    "host_quota_pages": config.host_quota_pages,
+                    "host_cached_pages": scheduler.kv.host.used.get(entry.name, 0),
                     "requests_per_minute": entry.requests_per_minute,
                     "tokens_per_minute": entry.tokens_per_minute,
                     "max_queue": entry.max_queue,
@@ -375,7 +391,7 @@ class Admin:
             scheduler.remove_tenant(name)  # refuses while the tenant has live requests
             # Its cached prompts must not serve a tenant added later under the
             # same name: forget every page nobody uses.
-            scheduler.kv.flush_cache()
+            scheduler.flush_cache()
             old_tenants = self.live.tenants
             self.live.tenants = [t for t in old_tenants if t.name != name]
             self.server.keys.pop(old.api_key_sha256, None)
@@ -476,7 +492,7 @@ class Admin:
         freed: list[int] = []
 
         def apply() -> Callable[[], None]:
-            freed.append(self.runtime.scheduler.kv.flush_cache())
+            freed.append(self.runtime.scheduler.flush_cache())
             return lambda: None  # nothing to undo: a flush only forgets a cache
 
         result = await self.change("cache.flush", {}, apply)

@@ -64,6 +64,10 @@ class PoolSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     size: str = "auto"  # "auto" or a byte size
     auto_fraction: float = 0.5  # of the memory left after the weights, for "auto"
     block_size: int = 16
+    # The prefix cache's host tier: evicted cached blocks kept in host memory.
+    # Set, it is the ONE host budget swapped-out sequences share with it
+    # (scheduler.swap_space is then not used); "0": off.
+    host_size: str = "0"
 
 
 class BudgetSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -101,6 +105,8 @@ class TenantEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tokens_per_minute: float | None = None
     max_queue: int = 64
     swap: str | None = None  # host swap it may hold: bytes or a share of swap_space; None: all
+    # Host-tier pages its cached blocks may hold: bytes or a share of pool.host_size; None: all.
+    host_quota: str | None = None
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -190,6 +196,8 @@ def validate(config: Config) -> None:
     _positive("pool.block_size", pool.block_size)
     if pool.size != "auto":
         _size("pool.size", pool.size)
+    if pool.host_size.strip() != "0":
+        _size("pool.host_size", pool.host_size)
     if not 0 < pool.auto_fraction <= 1:
         raise ConfigError("pool.auto_fraction: must be in (0, 1]")
     if config.scheduler.target_step_ms is not None:
@@ -237,6 +245,8 @@ def validate(config: Config) -> None:
             _share(f"{where}.burst_cap", tenant.burst_cap)
         if tenant.swap is not None:
             _share(f"{where}.swap", tenant.swap)
+        if tenant.host_quota is not None:
+            _share(f"{where}.host_quota", tenant.host_quota)
     if not config.tenants:
         raise ConfigError("tenants: at least one tenant is needed to serve anyone")
 

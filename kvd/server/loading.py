@@ -183,6 +183,7 @@ def load(
             preemption=config.budget.preemption,
             target_step_ms=config.scheduler.target_step_ms,
             swap_pages=swap_space_pages(config, page_bytes),
+            host_pages=host_tier_pages(config, page_bytes),
         ),
     )
     # Budgets and prefixes are checked against the real pool before the long
@@ -218,9 +219,20 @@ def load(
 
 
 def swap_space_pages(config: Config, page_bytes: int) -> int:
-    """``scheduler.swap_space`` in pages: the whole host swap and the base of
-    a tenant's ``swap`` share."""
-    return parse_size(config.scheduler.swap_space) // page_bytes
+    """The host swap in pages, and the base of a tenant's ``swap`` share:
+    ``pool.host_size`` when a host tier is set (swap shares its budget),
+    else ``scheduler.swap_space``."""
+    return host_tier_pages(config, page_bytes) or (
+        parse_size(config.scheduler.swap_space) // page_bytes
+    )
+
+
+def host_tier_pages(config: Config, page_bytes: int) -> int:
+    """``pool.host_size`` in pages: the host tier's budget, shared with swap
+    (0: no tier), and the base of a tenant's ``host_quota`` share."""
+    if config.pool.host_size.strip() == "0":
+        return 0
+    return parse_size(config.pool.host_size) // page_bytes
 
 
 def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) -> TenantConfig:
@@ -233,6 +245,10 @@ def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) 
     if entry.swap is not None:
         space = swap_space_pages(config, page_bytes)
         swap = pages_of(f"{where}.swap", entry.swap, page_bytes, space)
+    host_quota = None
+    if entry.host_quota is not None:
+        tier = host_tier_pages(config, page_bytes)
+        host_quota = pages_of(f"{where}.host_quota", entry.host_quota, page_bytes, tier)
     return TenantConfig(
         name=entry.name,
         reservation_pages=reservation,
@@ -242,6 +258,7 @@ def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) 
         limits=RateLimits(entry.requests_per_minute, entry.tokens_per_minute),
         max_queue=entry.max_queue,
         swap_pages=swap,
+        host_quota_pages=host_quota,
     )
 
 

@@ -65,6 +65,35 @@ class SchedulerCollector(Collector):
             "Prompt tokens found in the prefix cache",
             value=stats.prefix_hit_tokens,
         )
+        by_tier = CounterMetricFamily(
+            "kvd_prefix_hit_tokens_by_tier",
+            "Prompt tokens found in the prefix cache, by the tier that held them",
+            labels=["tier"],
+        )
+        by_tier.add_metric(["device"], stats.prefix_hit_tokens - stats.host_hit_tokens)
+        by_tier.add_metric(["host"], stats.host_hit_tokens)
+        yield by_tier
+        host = GaugeMetricFamily(
+            "kvd_host_pages",
+            "Host budget pages (prefix cache tier and swap) by use",
+            labels=["use"],
+        )
+        host.add_metric(["cached"], stats.host_cached_pages)
+        host.add_metric(["swap"], stats.host_swap_pages)
+        yield host
+        yield GaugeMetricFamily(
+            "kvd_host_capacity_pages",
+            "Host budget in pages (0: no host tier)",
+            value=stats.host_pages,
+        )
+        yield CounterMetricFamily(
+            "kvd_host_offloads", "Cached blocks copied to the host tier", value=stats.host_offloads
+        )
+        yield CounterMetricFamily(
+            "kvd_host_evictions",
+            "Blocks dropped from the host tier",
+            value=stats.host_evictions,
+        )
         if stats.prefill_tokens_per_s is not None:
             yield GaugeMetricFamily(
                 "kvd_measured_prefill_tokens_per_second",
@@ -94,6 +123,7 @@ class SchedulerCollector(Collector):
             "pages_reserved": "KV pages reserved for the tenant",
             "surplus_pages": "Pages the tenant holds beyond its reservation",
             "host_swap_pages": "Host pages the tenant's swapped-out sequences hold",
+            "host_cached_pages": "Host-tier pages the tenant's cached blocks hold",
             "service": "Weighted tokens served (fair-share virtual counter)",
         }
         counters = {
