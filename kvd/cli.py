@@ -303,6 +303,23 @@ def bench_int8(model: str, tokens: int, pool: str, raw: bool, as_json: bool) -> 
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("host-tier")
+@click.option("--model", default="gemma3-270m", show_default=True)
+@click.option("--documents", type=click.IntRange(min=1), default=6, show_default=True)
+@click.option("--doc-tokens", type=click.IntRange(min=32, max=900), default=384, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=2), default=3, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_host_tier(
+    model: str, documents: int, doc_tokens: int, rounds: int, as_json: bool
+) -> None:
+    """The prefix cache's host tier on and off over reused prefixes larger
+    than the pool: prefill tokens saved, TTFT, outputs equal."""
+    from kvd.bench.hosttier import render, run_host_tier_bench
+
+    report = run_host_tier_bench(model, documents=documents, doc_tokens=doc_tokens, rounds=rounds)
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 @bench.command("http")
 @click.option("--model", default="gemma3-270m", show_default=True, help="Or 'random'.")
 @click.option("--clients", type=click.IntRange(min=1), default=64, show_default=True)
