@@ -156,6 +156,10 @@ class SchedulerCore:
         of are dropped. Called before every engine step and device write."""
         copies = self.kv.host.take_copies()
         store = self.host_store
+        # Freed slots first: a slot freed in this step may already hold a new
+        # block whose copy is among this call's offloads.
+        for slot in copies.freed:
+            store.pop(slot, None)
         if copies.offload:
             rows = self.executor.copy_out([page for page, _ in copies.offload])
             for (_, slot), row in zip(copies.offload, rows, strict=True):
@@ -163,8 +167,6 @@ class SchedulerCore:
         if copies.reload:
             data = np.stack([store.pop(slot) for slot, _ in copies.reload])
             self.executor.copy_in([page for _, page in copies.reload], data)
-        for slot in copies.freed:
-            store.pop(slot, None)
 
     def _backlogged(self, tenant: str) -> bool:
         return bool(self.queues[tenant]) or any(r.tenant == tenant for r in self.running.values())

@@ -49,9 +49,15 @@ class PolicyMachine(RuleBasedStateMachine):
         swap_cheap=st.booleans(),
         swap_pages=st.sampled_from([None, 0, 12, 40]),
         target_ms=st.sampled_from([None, 5.0, 50.0]),
+        host_pages=st.sampled_from([0, 0, 16, 60]),
     )
     def start(
-        self, preemption: str, swap_cheap: bool, swap_pages: int | None, target_ms: float | None
+        self,
+        preemption: str,
+        swap_cheap: bool,
+        swap_pages: int | None,
+        target_ms: float | None,
+        host_pages: int,
     ) -> None:
         self.executor = make_executor(pages=48)  # two long requests fill it
         self.clock = Clock()
@@ -73,6 +79,7 @@ class PolicyMachine(RuleBasedStateMachine):
             preemption=preemption,
             target_step_ms=target_ms,
             swap_pages=swap_pages,
+            host_pages=host_pages,  # the prefix cache's host tier, shared with swap
         )
         self.scheduler = CheckedScheduler(self.executor, config, rates=rates, clock=self.clock)
         self.capacity = self.scheduler.kv.ledger.capacity
@@ -187,6 +194,7 @@ class PolicyMachine(RuleBasedStateMachine):
         weight=st.sampled_from([1.0, 2.0]),
         tier=st.sampled_from(TIERS),
         swap=st.sampled_from([None, 4, 30]),
+        host_quota=st.sampled_from([None, None, 0, 6]),
     )
     def set_tenant(
         self,
@@ -196,6 +204,7 @@ class PolicyMachine(RuleBasedStateMachine):
         weight: float,
         tier: str,
         swap: int | None,
+        host_quota: int | None,
     ) -> None:
         name = data.draw(st.sampled_from(TENANTS), "tenant")
         if cap is not None:
@@ -208,6 +217,7 @@ class PolicyMachine(RuleBasedStateMachine):
             weight=weight,
             max_queue=8,
             swap_pages=swap,
+            host_quota_pages=host_quota,
         )
         # Reservations the pool cannot hold are refused, changing nothing.
         with contextlib.suppress(BudgetError):
@@ -231,6 +241,11 @@ class PolicyMachine(RuleBasedStateMachine):
     def set_policy(self, policy: SharingPolicy) -> None:
         self.scheduler.kv.set_policy(policy)
 
+    @rule()
+    def flush(self) -> None:
+        self.scheduler.flush_cache()
+        assert not self.scheduler.kv.host.blocks and not self.scheduler.kv.pool.lru
+
     @precondition(lambda self: "head" not in self.scheduler.kv.public)
     @rule()
     def add_prefix(self) -> None:
@@ -253,7 +268,12 @@ class PolicyMachine(RuleBasedStateMachine):
         assert kv.pool.num_referenced() == len(held)
         host = sum(len(r.host_pages[0]) for r in scheduler.swapped.values() if r.host_pages)
         assert scheduler.swap_space.held == host
-        if scheduler.config.swap_pages is not None:
+        tier = kv.host
+        if tier.enabled:  # one host budget: swap first, the tier in what is left
+            assert tier.swap_held == host and host + len(tier) <= tier.total
+            scheduler.sync_host_tier()  # as the next step would: then the data is the tier's
+            assert set(scheduler.host_store) <= {b.slot for b in tier.blocks.values()}
+        elif scheduler.config.swap_pages is not None:
             assert host <= scheduler.config.swap_pages
         for request in scheduler.requests.values():
             assert request.state is not RequestState.FINISHED

@@ -55,6 +55,7 @@ tensor_parallel = {{tensor_parallel}}
 
 [pool]
 size = "{{pool}}"
+host_size = "{{host_size}}"
 
 [[tenants]]
 name = "alice"
@@ -230,6 +231,7 @@ def write_config(path: Path, **values: Any) -> Path:
         "drain_timeout": 5.0,
         "max_model_len": 256,
         "pool": "8MiB",
+        "host_size": "0",
         "max_in_flight": 4096,
         "tensor_parallel": 1,
         "admin_socket": f"{socket_dir}/admin.sock",

@@ -332,3 +332,34 @@ def test_the_os_refuses_a_user_without_access(tiny_daemon: DaemonProcess) -> Non
         assert probe() == "connected"
     finally:
         sock.chmod(0o660)
+
+
+def test_the_host_tier_through_kvctl_status_metrics_and_flush(start_daemon: Any) -> None:
+    """A pool smaller than the prompts it serves: evicted cached blocks go to
+    the host tier (charged to their tenant), a quota set live drops them, a
+    flush empties the tier, and a repeated greedy prompt answers the same."""
+    daemon: DaemonProcess = start_daemon(pool="256KiB", host_size="4MiB")
+    first = complete(daemon, ALICE, "alpha beta gamma " * 60)
+    assert first.status_code == 200, first.text
+    for i in range(3):  # other long prompts take the pool's pages
+        flood = complete(daemon, BOB, f"{i} delta epsilon zeta " * 50)
+        assert flood.status_code == 200, flood.text
+    daemon.wait_pages_released()
+    tenants = {t["name"]: t for t in status(daemon)["tenants"]}
+    host = status(daemon)["host"]
+    assert host["pages"] > 0 and host["offloads"] > 0 and host["cached_pages"] > 0
+    assert tenants["alice"]["host_cached_pages"] > 0
+    metrics = daemon.metrics()
+    assert metrics['kvd_host_pages{use="cached"}'] == host["cached_pages"]
+    assert 'kvd_prefix_hit_tokens_by_tier_total{tier="host"}' in metrics
+    again = complete(daemon, ALICE, "alpha beta gamma " * 60)
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    # A quota of 0 leaves alice nothing on the host; bob keeps his.
+    set_quota = kvctl(daemon, "tenant", "set", "alice", "--host-quota", "0")
+    assert set_quota.returncode == 0, set_quota.stderr
+    tenants = {t["name"]: t for t in status(daemon)["tenants"]}
+    assert tenants["alice"]["host_cached_pages"] == 0
+    assert tenants["alice"]["host_quota"] == "0" and tenants["alice"]["host_quota_pages"] == 0
+    assert "HOST QUOTA" in kvctl(daemon, "status").stdout
+    assert kvctl(daemon, "flush").returncode == 0
+    assert status(daemon)["host"]["cached_pages"] == 0
