@@ -159,6 +159,26 @@ def engine_kv_dtype(name: str) -> str:
     return dtype
 
 
+class _LaterRows:
+    """Pages gathered on the device, read on the host when first needed."""
+
+    def __init__(self, data: Any, count: int) -> None:
+        self._data, self._count = data, count
+        self._rows: np.ndarray[Any, Any] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        if self._rows is None:
+            self._rows = np.asarray(self._data)[: self._count].reshape(self._count, -1)
+            self._data = None
+        return self._rows if dtype is None else self._rows.astype(dtype)
+
+    def __getitem__(self, index: int) -> Any:
+        return np.asarray(self)[index]
+
+
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
         enable_compilation_cache()
@@ -341,6 +361,19 @@ class Engine:
         program = self._program(("gather", size, 0), self._gather, self.pool, index)
         data = np.asarray(program(self.pool, index))[: len(pages)]
         return data.reshape(len(pages), -1)  # flat pages, whatever the pool's layout
+
+    def copy_out_later(self, pages: list[int]) -> Any:
+        """``copy_out`` without waiting: the gather is dispatched (ordered
+        before any later step that overwrites those pages) and its result
+        starts moving to the host; ``np.asarray`` on what is returned waits
+        for it. The host tier's offloads use this, so a step does not wait
+        for the copies of the pages it is about to reuse."""
+        size = bucket(len(pages), self.page_buckets)
+        index = self._put(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
+        program = self._program(("gather", size, 0), self._gather, self.pool, index)
+        data = program(self.pool, index)
+        data.copy_to_host_async()
+        return _LaterRows(data, len(pages))
 
     def copy_in(self, pages: list[int], data: np.ndarray[Any, Any]) -> None:
         """Write host ``data`` into ``pages`` (padding lands in the null page)."""

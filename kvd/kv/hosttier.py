@@ -58,6 +58,7 @@ class HostTier:
         self.swap_held = 0  # pages swapped-out sequences hold (kept by SwapSpace)
         self.blocks: OrderedDict[CacheKey, HostBlock] = OrderedDict()  # head: LRU
         self.used: dict[str, int] = {}
+        self._by_account: dict[str, OrderedDict[CacheKey, None]] = {}  # each LRU first
         self.quotas: dict[str, int | None] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -101,6 +102,7 @@ class HostTier:
         slot = self._free_slots.pop() if self._free_slots else self._take_slot()
         self.blocks[key] = HostBlock(slot, account, public)
         self.used[account] = self.used.get(account, 0) + 1
+        self._by_account.setdefault(account, OrderedDict())[key] = None
         self._offload.append((page, slot))
         self.offloaded += 1
         return True
@@ -111,17 +113,14 @@ class HostTier:
         return slot
 
     def _oldest_of(self, account: str) -> CacheKey:
-        return next(key for key, block in self.blocks.items() if block.account == account)
-
-    def touch(self, key: CacheKey) -> None:
-        self.blocks.move_to_end(key)
+        return next(iter(self._by_account[account]))
 
     def claim(self, key: CacheKey) -> HostBlock:
         """A prefix hit takes ``key``'s block back to the device: it leaves the
         tier now (so nothing evicts it), its slot stays until ``copy_in``'s
         copy is taken."""
         block = self.blocks.pop(key)
-        self._uncharge(block)
+        self._uncharge(block, key)
         self.reloaded += 1
         return block
 
@@ -130,16 +129,19 @@ class HostTier:
 
     # -- dropping ------------------------------------------------------------
 
-    def _uncharge(self, block: HostBlock) -> None:
+    def _uncharge(self, block: HostBlock, key: CacheKey) -> None:
         left = self.used[block.account] - 1
+        order = self._by_account[block.account]
+        del order[key]
         if left:
             self.used[block.account] = left
         else:
             del self.used[block.account]
+            del self._by_account[block.account]
 
     def _drop(self, key: CacheKey) -> None:
         block = self.blocks.pop(key)
-        self._uncharge(block)
+        self._uncharge(block, key)
         self._free_slot(block.slot)
         self.evictions += 1
 
@@ -166,6 +168,11 @@ class HostTier:
     def drop_where(self, account: str | None = None, public_id: int | None = None) -> int:
         """Drop every block of ``account``, or every public block in the
         public prefix ``public_id``, or (neither) every block; returns how many."""
+        if account is not None and public_id is None:
+            doomed = list(self._by_account.get(account, ()))
+            for key in doomed:
+                self._drop(key)
+            return len(doomed)
         doomed = [
             key
             for key, block in self.blocks.items()
@@ -219,6 +226,7 @@ class HostTier:
             charges[block.account] = charges.get(block.account, 0) + 1
             slots.add(block.slot)
         assert charges == self.used, (charges, self.used)
+        assert {a: len(o) for a, o in self._by_account.items()} == self.used
         assert len(slots) == len(self.blocks), "two blocks share a host slot"
         assert not slots & set(self._free_slots), "a held slot is free"
         assert self.swap_held + len(self.blocks) <= max(self.total, self.swap_held)

@@ -57,8 +57,9 @@ class SchedulerCore:
         self.clock = clock
         kv.enable_host_tier(config.host_pages)
         self.swap_space = SwapSpace(config.swap_pages, kv.host)
-        # Host-tier block contents by host slot (the tier keeps the bookkeeping).
-        self.host_store: dict[int, np.ndarray[Any, Any]] = {}
+        # Host-tier block contents by host slot, as (rows of one copy, index):
+        # the tier keeps the bookkeeping.
+        self.host_store: dict[int, tuple[Any, int]] = {}
         self.tenants: dict[str, TenantConfig] = {}
         self.limiters: dict[str, TenantLimiter] = {}
         self.queues: dict[str, deque[Request]] = {}
@@ -161,11 +162,15 @@ class SchedulerCore:
         for slot in copies.freed:
             store.pop(slot, None)
         if copies.offload:
-            rows = self.executor.copy_out([page for page, _ in copies.offload])
-            for (_, slot), row in zip(copies.offload, rows, strict=True):
-                store[slot] = row
+            # Without waiting where the executor can (the engine's gather is
+            # ordered before the step that reuses the pages): a row is read
+            # on the host when a reload first needs it.
+            copy_out = getattr(self.executor, "copy_out_later", self.executor.copy_out)
+            rows = copy_out([page for page, _ in copies.offload])
+            for i, (_, slot) in enumerate(copies.offload):
+                store[slot] = (rows, i)
         if copies.reload:
-            data = np.stack([store.pop(slot) for slot, _ in copies.reload])
+            data = np.stack([_row(store.pop(slot)) for slot, _ in copies.reload])
             self.executor.copy_in([page for _, page in copies.reload], data)
 
     def _backlogged(self, tenant: str) -> bool:
@@ -291,3 +296,8 @@ class SchedulerCore:
             host_offloads=kv.host.offloaded,
             host_evictions=kv.host.evictions,
         )
+
+
+def _row(entry: tuple[Any, int]) -> np.ndarray[Any, Any]:
+    rows, index = entry
+    return np.asarray(rows[index])
