@@ -48,6 +48,7 @@ step_log_interval = 1.0
 
 [model]
 source = "random"
+kv_dtype = "{{kv_dtype}}"
 max_model_len = {{max_model_len}}
 max_num_seqs = 8
 max_num_batched_tokens = 64
@@ -232,6 +233,7 @@ def write_config(path: Path, **values: Any) -> Path:
         "max_model_len": 256,
         "pool": "8MiB",
         "host_size": "0",
+        "kv_dtype": "float32",
         "max_in_flight": 4096,
         "tensor_parallel": 1,
         "admin_socket": f"{socket_dir}/admin.sock",

@@ -337,8 +337,15 @@ def test_the_os_refuses_a_user_without_access(tiny_daemon: DaemonProcess) -> Non
 def test_the_host_tier_through_kvctl_status_metrics_and_flush(start_daemon: Any) -> None:
     """A pool smaller than the prompts it serves: evicted cached blocks go to
     the host tier (charged to their tenant), a quota set live drops them, a
-    flush empties the tier, and a repeated greedy prompt answers the same."""
-    daemon: DaemonProcess = start_daemon(pool="256KiB", host_size="4MiB")
+    flush empties the tier, and a repeated greedy prompt answers the same.
+    The pool holds int8 K/V: pages (scales included) are what status counts."""
+    daemon: DaemonProcess = start_daemon(pool="80KiB", host_size="4MiB", kv_dtype="int8")
+    described = status(daemon)
+    assert described["model"]["kv_dtype"] == "int8"
+    # 6 layers x 1 KV head x (16 int8 values + a 4-byte scale) x K and V, 16 tokens a page.
+    page_bytes = described["pool"]["page_bytes"]
+    assert page_bytes * described["pool"]["pages"] <= 80 * 1024
+    assert page_bytes % (16 * 2 * (16 + 4)) == 0
     first = complete(daemon, ALICE, "alpha beta gamma " * 60)
     assert first.status_code == 200, first.text
     for i in range(3):  # other long prompts take the pool's pages
