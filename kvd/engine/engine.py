@@ -355,12 +355,9 @@ class Engine:
         return math.prod(self.pool.shape[1:])
 
     def copy_out(self, pages: list[int]) -> np.ndarray[Any, Any]:
-        """The contents of ``pages``, on the host: ``[len(pages), E]``."""
-        size = bucket(len(pages), self.page_buckets)
-        index = self._put(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
-        program = self._program(("gather", size, 0), self._gather, self.pool, index)
-        data = np.asarray(program(self.pool, index))[: len(pages)]
-        return data.reshape(len(pages), -1)  # flat pages, whatever the pool's layout
+        """The contents of ``pages``, on the host: ``[len(pages), E]`` (flat
+        pages, whatever the pool's layout)."""
+        return np.asarray(self.copy_out_later(pages))
 
     def copy_out_later(self, pages: list[int]) -> Any:
         """``copy_out`` without waiting: the gather is dispatched (ordered
