@@ -147,12 +147,13 @@ def render(report: HostTierReport) -> str:
         f"{report.documents} documents x {report.doc_tokens} tokens, {report.rounds} rounds",
         f"machine: {report.machine}",
         "",
-        "host tier  prompt tokens  cached  of them host  prefill computed  TTFT p50  TTFT mean",
+        "host tier         prompt tokens  cached  of them host  prefill computed  TTFT p50  "
+        "TTFT mean",
     ]
     for run in (report.off, report.on):
         label = f"on ({run.host_pages} pages)" if run.host_tier else "off"
         lines.append(
-            f"{label:<9}  {run.prompt_tokens:>13,}  {run.cached_tokens:>6,}  "
+            f"{label:<16}  {run.prompt_tokens:>13,}  {run.cached_tokens:>6,}  "
             f"{run.host_hit_tokens:>12,}  {run.prefill_tokens:>16,}  {run.ttft_p50_s:>7.3f}s"
             f"  {run.ttft_mean_s:>8.3f}s"
         )
