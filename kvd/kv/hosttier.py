@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 import msgspec
 
-from kvd.kv.pool import CacheKey
+CacheKey = tuple[int, bytes]  # (page group, block hash): the prefix cache's key on both tiers
 
 
 class HostBlock(msgspec.Struct):

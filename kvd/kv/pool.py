@@ -18,16 +18,13 @@ head, which forgets their cache key: cached pages survive as long as possible.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
+from kvd.kv.hosttier import CacheKey, HostTier
 from kvd.kv.ledger import SHARED_ACCOUNT, Ledger
-
-if TYPE_CHECKING:
-    from kvd.kv.hosttier import HostTier
 
 NULL_PAGE = 0
 
-CacheKey = tuple[int, bytes]  # (page group, block hash)
+__all__ = ["NULL_PAGE", "CacheKey", "PagePool", "PoolExhausted"]
 
 
 class PoolExhausted(RuntimeError):
