@@ -26,7 +26,8 @@ use it). A short sequence therefore never pays the eager window floor.
 
 The manager is built in layers, one concept per module: ``core.py`` (state,
 sequences), ``prefix.py`` (lookup and caching), ``allocation.py`` (growing),
-``commit.py`` (commits, sliding, release), ``swap.py``; ``invariants.py``
+``commit.py`` (commits, sliding, release), ``swap.py``, ``hosttier.py``
+(cached blocks kept in host memory after eviction); ``invariants.py``
 checks the whole. This module adds live configuration and reporting.
 """
 
