@@ -22,9 +22,10 @@ Accounting (pages of the pool's page size, on the host):
 
 The tier is pure bookkeeping: a block's bytes live with whoever copies them
 (the scheduler's host store), found by the block's ``slot``. Offloads and
-reloads are queued here and drained by the caller around the engine step
-(``take_copies``): a page evicted in this step is copied out before the
-step overwrites it, a reloaded block copied in before the step reads it.
+reloads are queued here, in the order they were decided, and drained by the
+caller before the engine step (``take_copies``): a page evicted in this step
+is copied out before the step overwrites it, a reloaded block copied in
+before the step reads it.
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ class HostBlock(msgspec.Struct):
     public: frozenset[int] | None  # the public prefixes it lies in, if public
 
 
-class HostCopies(msgspec.Struct):
-    """What must move before the next step: (device page, host slot) pairs."""
+OUT, IN, FREE = "out", "in", "free"
 
-    offload: list[tuple[int, int]]  # device page -> host slot (copy out)
-    reload: list[tuple[int, int]]  # host slot -> device page (copy in)
-    freed: list[int]  # host slots whose data may be dropped
+
+class HostCopy(msgspec.Struct, frozen=True, array_like=True):
+    """One queued move: ``out`` copies device ``page`` to host ``slot``, ``in``
+    copies ``slot`` into ``page``, ``free`` lets the data of ``slot`` go."""
+
+    kind: str
+    page: int
+    slot: int
 
 
 class HostTier:
@@ -65,9 +70,9 @@ class HostTier:
         self.evictions = 0  # blocks dropped: stales prefix hits that named them
         self.offloaded = 0  # blocks stored, ever
         self.reloaded = 0  # blocks copied back, ever
-        self._offload: list[tuple[int, int]] = []
-        self._reload: list[tuple[int, int]] = []
-        self._freed: list[int] = []
+        # In the order they were decided: a page reloaded and then evicted
+        # again in one step must be copied in before it is copied out.
+        self._copies: list[HostCopy] = []
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +108,7 @@ class HostTier:
         self.blocks[key] = HostBlock(slot, account, public)
         self.used[account] = self.used.get(account, 0) + 1
         self._by_account.setdefault(account, OrderedDict())[key] = None
-        self._offload.append((page, slot))
+        self._copies.append(HostCopy(OUT, page, slot))
         self.offloaded += 1
         return True
 
@@ -125,7 +130,7 @@ class HostTier:
         return block
 
     def copy_in(self, block: HostBlock, page: int) -> None:
-        self._reload.append((block.slot, page))
+        self._copies.append(HostCopy(IN, page, block.slot))
 
     # -- dropping ------------------------------------------------------------
 
@@ -146,10 +151,10 @@ class HostTier:
         self.evictions += 1
 
     def _free_slot(self, slot: int) -> None:
-        # A slot whose copy out is still queued is simply not copied.
-        self._offload = [(p, s) for p, s in self._offload if s != slot]
+        # Its data goes (in order: a copy out queued earlier becomes moot, one
+        # queued later for the slot's next block lands after the free).
         self._free_slots.append(slot)
-        self._freed.append(slot)
+        self._copies.append(HostCopy(FREE, 0, slot))
 
     def discard(self, key: CacheKey) -> None:
         """Drop ``key``'s block if held (the device holds that content again)."""
@@ -210,13 +215,13 @@ class HostTier:
 
     # -- the caller's side ---------------------------------------------------
 
-    def take_copies(self) -> HostCopies:
-        """The copies queued since the last call (the caller performs them
-        before the next engine step) and the host slots it may now drop."""
-        copies = HostCopies(self._offload, self._reload, self._freed)
-        self._offload, self._reload, self._freed = [], [], []
-        for slot, _ in copies.reload:
-            self._free_slots.append(slot)
+    def take_copies(self) -> list[HostCopy]:
+        """The copies queued since the last call, in order (the caller
+        performs them before the next engine step, in that order)."""
+        copies, self._copies = self._copies, []
+        for copy in copies:
+            if copy.kind == IN:  # the slot's data is copied in now: reusable after
+                self._free_slots.append(copy.slot)
         return copies
 
     def check_invariants(self) -> None:

@@ -151,27 +151,30 @@ class SchedulerCore:
         return flushed
 
     def sync_host_tier(self) -> None:
-        """Do the copies the host tier queued: pages it took in are copied out
-        before anything overwrites them (a step, a swap-in), blocks a hit
-        brought back are copied in before a step reads them; slots it let go
-        of are dropped. Called before every engine step and device write."""
+        """Do the copies the host tier queued, in the order it queued them:
+        pages it took in are copied out before anything overwrites them (a
+        step, a swap-in), blocks a hit brought back are copied in before a
+        step reads them, slots it let go of are dropped. Consecutive copies
+        of one kind go as one executor call. Called before every engine step
+        and device write."""
         copies = self.kv.host.take_copies()
         store = self.host_store
-        # Freed slots first: a slot freed in this step may already hold a new
-        # block whose copy is among this call's offloads.
-        for slot in copies.freed:
-            store.pop(slot, None)
-        if copies.offload:
-            # Without waiting where the executor can (the engine's gather is
-            # ordered before the step that reuses the pages): a row is read
-            # on the host when a reload first needs it.
-            copy_out = getattr(self.executor, "copy_out_later", self.executor.copy_out)
-            rows = copy_out([page for page, _ in copies.offload])
-            for i, (_, slot) in enumerate(copies.offload):
-                store[slot] = (rows, i)
-        if copies.reload:
-            data = np.stack([_row(store.pop(slot)) for slot, _ in copies.reload])
-            self.executor.copy_in([page for _, page in copies.reload], data)
+        # Without waiting where the executor can (the engine's gather is
+        # ordered before the step that reuses the pages): a row is read on
+        # the host when a reload first needs it.
+        copy_out = getattr(self.executor, "copy_out_later", self.executor.copy_out)
+        for kind, run in itertools.groupby(copies, key=lambda copy: copy.kind):
+            batch = list(run)
+            if kind == "free":
+                for copy in batch:
+                    store.pop(copy.slot, None)
+            elif kind == "out":
+                rows = copy_out([copy.page for copy in batch])
+                for i, copy in enumerate(batch):
+                    store[copy.slot] = (rows, i)
+            else:
+                data = np.stack([_row(store.pop(copy.slot)) for copy in batch])
+                self.executor.copy_in([copy.page for copy in batch], data)
 
     def _backlogged(self, tenant: str) -> bool:
         return bool(self.queues[tenant]) or any(r.tenant == tenant for r in self.running.values())

@@ -8,6 +8,7 @@ import pytest
 
 from kvd.kv.ledger import SHARED_ACCOUNT
 from kvd.kv.scope import SharingPolicy
+from kvd.sched.core import _row
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from tests.sched.simulated import greedy, make_executor
 from tests.sched.test_policy import Run, expected, prompt, rates
@@ -141,3 +142,22 @@ def test_swap_and_the_host_tier_share_one_budget() -> None:
         assert run.outputs[f"long{i}"] == expected(prompt(800 + i, 44), 12)
     assert s.stats().preempted_swap > 0 and peak_swap > 0
     assert s.swap_space.held == 0 and s.kv.host.swap_held == 0
+
+
+def test_copies_run_in_the_order_they_were_decided() -> None:
+    """A block copied back into a page that is evicted again before the step
+    (its sequence preempted, the page taken by another) must be copied in
+    before it is copied out: the fuzz found the reverse order losing it."""
+    s = scheduler(50)
+    tier, pool = s.kv.host, s.executor.pool
+    page = 5
+    pool[page] = 111
+    assert tier.offer((0, b"k"), page, "a", None)
+    s.sync_host_tier()
+    pool[page] = 0  # the page was reused since
+    tier.copy_in(tier.claim((0, b"k")), page)  # a hit brings the block back into it
+    assert tier.offer((0, b"k2"), page, "a", None)  # and it is evicted again at once
+    s.sync_host_tier()
+    assert (pool[page] == 111).all()
+    (again,) = tier.blocks.values()
+    assert (_row(s.host_store[again.slot]) == 111).all()
