@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvd.kv.hosttier import FREE, OUT
 from kvd.kv.ledger import TenantBudget
 from kvd.kv.manager import KVManager, PrefixHit
 from kvd.kv.sequence import KVState, Sequence
@@ -165,10 +166,10 @@ class SchedulerCore:
         copy_out = getattr(self.executor, "copy_out_later", self.executor.copy_out)
         for kind, run in itertools.groupby(copies, key=lambda copy: copy.kind):
             batch = list(run)
-            if kind == "free":
+            if kind == FREE:
                 for copy in batch:
                     store.pop(copy.slot, None)
-            elif kind == "out":
+            elif kind == OUT:
                 rows = copy_out([copy.page for copy in batch])
                 for i, copy in enumerate(batch):
                     store[copy.slot] = (rows, i)
@@ -294,7 +295,7 @@ class SchedulerCore:
             crossover_tokens=rates.crossover_tokens() if rates else None,
             host_pages=kv.host.total,
             host_cached_pages=len(kv.host),
-            host_swap_pages=kv.host.swap_held if kv.host.enabled else self.swap_space.held,
+            host_swap_pages=self.swap_space.held,
             host_hit_tokens=kv.host_hit_tokens,
             host_offloads=kv.host.offloaded,
             host_evictions=kv.host.evictions,
