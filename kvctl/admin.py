@@ -44,8 +44,27 @@ class Client:
             fail(f"kvd answered {response.status_code} with a body that is not JSON", code=1)
         if response.status_code >= 400:
             message = payload.get("error") if isinstance(payload, dict) else None
+            if isinstance(payload, dict) and "state" in payload:
+                fail(_not_ready(payload), code=EXIT_REFUSED)
             fail(f"refused: {message or response.status_code}", code=EXIT_REFUSED)
         return payload
+
+
+def _not_ready(payload: dict[str, Any]) -> str:
+    """Why the daemon cannot answer (loading, draining, failed), and the
+    failure that restarted it last, if any."""
+    lines = [f"kvd is not ready ({payload['state']}): {payload['error']}"]
+    last = payload.get("last_failure")
+    if last:
+        lines.append(_failures_line(last))
+    return "\n".join(lines)
+
+
+def _failures_line(failures: dict[str, Any]) -> str:
+    return (
+        f"engine failures recorded: {failures['count']}; the last at {failures['last_at']}: "
+        f"{failures['last_cause']}"
+    )
 
 
 def _reason(exc: BaseException) -> str:
@@ -112,6 +131,8 @@ def render_status(s: dict[str, Any]) -> str:
         )
     elif restored:
         lines.append(f"state restored at start from {restored['file']} (same as the config)")
+    if s.get("engine_failures"):
+        lines.append(_failures_line(s["engine_failures"]))
     if rates:
         lines.append(
             f"measured: prefill {rates['prefill_tokens_per_s']} tok/s, copy "

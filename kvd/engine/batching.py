@@ -15,11 +15,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from kvd import faults
 from kvd.engine.model import StepBatch
 from kvd.engine.sampling import MAX_STOP_IDS, SamplingParams
 from kvd.kv.layout import PageLayout
 from kvd.kv.sequence import Sequence
-from kvd.sched.executor import ParamsLookup
+from kvd.sched.executor import ParamsLookup, SequenceFault
 
 
 def bucket(n: int, buckets: Seq[int]) -> int:
@@ -158,7 +159,14 @@ class SequenceRows:
             self._write_tables(int(rows[i]), seqs[i], int(versions[i]))
         for i in np.flatnonzero(self.serials[rows] != serials).tolist():
             if params[i] is not None:
-                self._write_sampling(int(rows[i]), params[i])  # type: ignore[arg-type]
+                try:
+                    if faults.fire("sequence") == "raise":
+                        raise faults.InjectedFault("injected: a sequence's inputs")
+                    self._write_sampling(int(rows[i]), params[i])  # type: ignore[arg-type]
+                except (ValueError, TypeError, OverflowError, faults.InjectedFault) as exc:
+                    # Its own parameters: the rows written so far are valid
+                    # for the next step, which runs without it.
+                    raise SequenceFault(i, exc) from exc
                 self.serials[rows[i]] = serials[i]
         return rows
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -21,6 +22,8 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 
+from kvd import faults
+from kvd.engine import compile_cache
 from kvd.engine.batching import (
     SAMPLING_FLOATS,
     SAMPLING_INTS,
@@ -118,12 +121,19 @@ def head_and_sample(
 
 
 def enable_compilation_cache() -> None:
-    """Keep compiled programs on disk, so a restart does not compile again."""
+    """Keep compiled programs on disk, so a restart does not compile again
+    (if the cache directory works: see compile_cache.py)."""
     from kvd.engine.loader import cache_dir
 
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compile_cache.enable(cache_dir() / "xla")
+
+
+def _inject_step_fault() -> None:
+    action = faults.fire("step")
+    if action == "raise":
+        raise faults.InjectedFault("injected: the engine step failed")
+    if action == "hang":
+        threading.Event().wait()  # a device that never answers
 
 
 def _release_free_heap() -> None:
@@ -365,6 +375,8 @@ class Engine:
         starts moving to the host; ``np.asarray`` on what is returned waits
         for it. The host tier's offloads use this, so a step does not wait
         for the copies of the pages it is about to reuse."""
+        if faults.fire("d2h") == "fail":
+            raise faults.InjectedFault("injected: a device-to-host copy failed")
         size = bucket(len(pages), self.page_buckets)
         index = self._put(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
         program = self._program(("gather", size, 0), self._gather, self.pool, index)
@@ -490,6 +502,7 @@ class Engine:
         those entries of ``params`` are looked at) and kept for its life.
         """
         entered = time.perf_counter()
+        _inject_step_fault()
         count = len(seqs)
         if count > self.config.max_num_seqs:
             raise EngineError(f"{count} sequences exceed max_num_seqs {self.config.max_num_seqs}")

@@ -161,6 +161,14 @@ class HostTier:
         if key in self.blocks:
             self._drop(key)
 
+    def lose(self, slots: set[int]) -> int:
+        """The copies out to ``slots`` failed: drop the blocks stored there
+        (their content is recomputed when next needed); returns how many."""
+        doomed = [key for key, block in self.blocks.items() if block.slot in slots]
+        for key in doomed:
+            self._drop(key)
+        return len(doomed)
+
     def make_room(self, pages: int) -> bool:
         """Free ``pages`` of the budget for swap, least recently used blocks
         first; False (nothing dropped) if even an empty tier is too small."""

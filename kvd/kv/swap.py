@@ -49,6 +49,14 @@ class Swapping(Commit):
             if page and not self._shared(page)
         ]
 
+    def abort_swap_out(self, seq: Sequence) -> None:
+        """The copies ``begin_swap_out`` listed failed: ``seq`` is resident
+        again, its pages as they were (its caller drops them instead)."""
+        self._own(seq)
+        if seq.state is not KVState.SWAPPING_OUT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapping out")
+        seq.state = KVState.RESIDENT
+
     def finish_swap_out(self, seq: Sequence) -> None:
         """The copies ``begin_swap_out`` listed are on the host: free those
         pages, remember which blocks they were; the pages not copied stay held."""

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvd.kv.hosttier import FREE, OUT
 from kvd.kv.ledger import TenantBudget
-from kvd.kv.manager import KVManager, PrefixHit
+from kvd.kv.manager import KVError, KVManager, PrefixHit
 from kvd.kv.sequence import KVState, Sequence
 from kvd.sched.costmodel import Rates, measure_rates
 from kvd.sched.executor import Executor
@@ -60,7 +60,7 @@ class SchedulerCore:
         self.swap_space = SwapSpace(config.swap_pages, kv.host)
         # Host-tier block contents by host slot, as (rows of one copy, index):
         # the tier keeps the bookkeeping.
-        self.host_store: dict[int, tuple[Any, int]] = {}
+        self.host_store: dict[int, tuple[Any, int] | None] = {}  # None: its copy failed
         self.tenants: dict[str, TenantConfig] = {}
         self.limiters: dict[str, TenantLimiter] = {}
         self.queues: dict[str, deque[Request]] = {}
@@ -97,6 +97,11 @@ class SchedulerCore:
         # Requests as they start, (request id, tenant, queue steps, cached tokens),
         # for the daemon's logs; bounded likewise.
         self.start_log: deque[tuple[str, str, int, int]] = deque(maxlen=4096)
+        # Requests failed alone by a fault of their own, (request id, tenant,
+        # cause), for the daemon's logs; and copies that failed and were
+        # recovered from, (what, cause).
+        self.fault_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
+        self.copy_failures: deque[tuple[str, str]] = deque(maxlen=4096)
         # Per public prefix: [requests that started with it, of those served
         # from cache, prompt tokens served from cache].
         self.prefix_hits: dict[str, list[int]] = {}
@@ -170,11 +175,24 @@ class SchedulerCore:
                 for copy in batch:
                     store.pop(copy.slot, None)
             elif kind == OUT:
-                rows = copy_out([copy.page for copy in batch])
+                try:
+                    rows = copy_out([copy.page for copy in batch])
+                except Exception as exc:  # noqa: BLE001  # recovered from: the blocks go
+                    lost = {copy.slot for copy in batch}
+                    self.kv.host.lose(lost)
+                    for slot in lost:
+                        store[slot] = None
+                    self.copy_failures.append(("offload", f"{type(exc).__name__}: {exc}"))
+                    continue
                 for i, copy in enumerate(batch):
                     store[copy.slot] = (rows, i)
             else:
-                data = np.stack([_row(store.pop(copy.slot)) for copy in batch])
+                entries = [store.pop(copy.slot) for copy in batch]
+                if any(entry is None for entry in entries):
+                    # Claimed by a hit in the step its copy out failed: the
+                    # device would read pages nobody wrote.
+                    raise KVError("a host-tier block a prefix hit claimed was never stored")
+                data = np.stack([_row(entry) for entry in entries if entry is not None])
                 self.executor.copy_in([copy.page for copy in batch], data)
 
     def _backlogged(self, tenant: str) -> bool:
@@ -239,6 +257,13 @@ class SchedulerCore:
         request.host_pages = None
         self.tenant_stats[request.tenant].finished += 1
         del self.requests[request.request_id]
+
+    def _fail(self, request: Request, cause: BaseException, events: list[StepEvent]) -> None:
+        """End ``request`` alone for a fault of its own (its pages go back)."""
+        self._finish(request, "error")
+        detail = f"{type(cause).__name__}: {cause}"
+        self.fault_log.append((request.request_id, request.tenant, detail))
+        events.append(StepEvent(request.request_id, None, 0.0, True, "error", detail))
 
     def _expire(self, now: float, events: list[StepEvent]) -> None:
         for queue in self.queues.values():

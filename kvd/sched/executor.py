@@ -21,6 +21,17 @@ from kvd.kv.sequence import Sequence
 Array = np.ndarray[Any, Any]
 
 
+class SequenceFault(Exception):
+    """A step could not be run because of one sequence's own inputs (its
+    sampling parameters, say), found before anything reached the device:
+    ``index`` is its position in the step. The scheduler fails that request
+    alone; the others run in the next step."""
+
+    def __init__(self, index: int, cause: BaseException) -> None:
+        super().__init__(f"sequence {index} of the step: {cause!r}")
+        self.index, self.cause = index, cause
+
+
 class ExecutorLimits(msgspec.Struct, frozen=True):
     """The shapes an executor can run: the scheduler plans within them."""
 
@@ -61,7 +72,10 @@ class Executor(Protocol):
         """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated;
         ``slots``: their ``kv.slots_of``; ``block``: their columns before the
         step) and return (sampled token, logprob, stopped by a stop id) per
-        sequence. The caller commits the computed tokens to the KV manager."""
+        sequence. The caller commits the computed tokens to the KV manager.
+
+        Raises SequenceFault, with nothing computed, when one sequence's own
+        inputs cannot be built; any other exception is the executor's failure."""
         ...
 
     def copy_out(self, pages: list[int]) -> Array:

@@ -133,7 +133,17 @@ class Preemption(Admission):
         self.preemption_log.append((request.request_id, request.tenant, kind))
         if kind == SWAP:
             copies = self.kv.begin_swap_out(seq)
-            data = self.executor.copy_out([c.page for c in copies])
+            try:
+                data = self.executor.copy_out([c.page for c in copies])
+            except Exception as exc:  # noqa: BLE001  # recovered from: recomputed instead
+                # The host could not take the pages (out of memory, a failed
+                # transfer): the device still holds them, so recomputing later
+                # loses nothing. A broken device fails the next step anyway.
+                self.kv.abort_swap_out(seq)
+                self.copy_failures.append(("swap_out", f"{type(exc).__name__}: {exc}"))
+                self.preemption_log[-1] = (request.request_id, request.tenant, RECOMPUTE)
+                kind = RECOMPUTE
+        if kind == SWAP:
             self.kv.finish_swap_out(seq)
             self.swap_space.take(request.tenant, len(copies))
             request.host_pages = ([(c.group, c.block) for c in copies], data)

@@ -139,6 +139,7 @@ class StepEvent(msgspec.Struct, frozen=True):
     logprob: float
     finished: bool
     finish_reason: str | None = None
+    detail: str | None = None  # why it failed ("error"), for its client
 
 
 class SlotInfo:

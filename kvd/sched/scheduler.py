@@ -32,6 +32,7 @@ from kvd.kv.columns import COMPUTED, LENGTH
 from kvd.kv.ledger import BudgetMode
 from kvd.kv.records import PrefixHit
 from kvd.kv.sequence import Sequence
+from kvd.sched.executor import SequenceFault
 from kvd.sched.requests import (
     ParamsOf,
     Rejection,
@@ -100,9 +101,15 @@ class Scheduler(TokenHandling):
         block = kv.columns.matrix[:, slots]  # the step's counters, gathered once
         counts = work.counts
         self.sync_host_tier()
-        tokens, logprobs, stopped = self.executor.run(
-            seqs, counts, ParamsOf(requests), slots, block
-        )
+        try:
+            tokens, logprobs, stopped = self.executor.run(
+                seqs, counts, ParamsOf(requests), slots, block
+            )
+        except SequenceFault as fault:
+            # Nothing ran: the others' pages stay allocated from their computed
+            # tokens, so the next step plans them again as if this one never was.
+            self._fail(requests[fault.index], fault.cause, events)
+            return events
         if not plan.prefill_tokens:  # decodes alone (commit_decodes checks that they are)
             kv.commit_decodes(seqs, slots, block)
         else:

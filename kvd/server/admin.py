@@ -23,12 +23,13 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from kvd import __version__
+from kvd import __version__, faults
 from kvd.kv.ledger import BudgetMode
 from kvd.kv.scope import SharingPolicy
 from kvd.server.config import Config, ConfigError, TenantEntry, validate
 from kvd.server.http import ServerState, TenantAccess
 from kvd.server.loading import tenant_config
+from kvd.server.runtime import EngineFailed
 from kvd.server.state import AUDIT_KEPT, AuditEntry, LiveState, PrefixTokens, StateStore
 
 log = structlog.get_logger("kvd")
@@ -36,9 +37,10 @@ _encoder = msgspec.json.Encoder()
 
 
 class AdminError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, **fields: Any) -> None:
         super().__init__(message)
         self.status = status
+        self.fields = fields  # more of the reply body (why the daemon is not ready)
 
 
 class TenantPatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -52,6 +54,10 @@ class TenantPatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_queue: int | UnsetType = UNSET
     swap: str | None | UnsetType = UNSET  # null: all of scheduler.swap_space
     host_quota: str | None | UnsetType = UNSET  # null: all of pool.host_size
+
+
+class FaultsBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    spec: str
 
 
 class ModeBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -88,11 +94,14 @@ class Admin:
         # Set when the start restored a state file: its path, and the config
         # sections it replaced with different values.
         self.restored: dict[str, Any] | None = None
+        # The engine failures recorded beside the state file (the last one's
+        # time and cause, and how many), read at start.
+        self.failures: dict[str, Any] | None = None
 
     @property
     def live(self) -> LiveState:
         if self._live is None:
-            raise AdminError(503, "the daemon is still loading")
+            raise self.not_ready()
         return self._live
 
     @live.setter
@@ -102,14 +111,36 @@ class Admin:
     @property
     def runtime(self) -> Any:
         runtime = self.server.runtime
-        if runtime is None:
-            raise AdminError(503, "the daemon is still loading")
+        if runtime is None or runtime.failure is not None:
+            raise self.not_ready()
         return runtime
+
+    def not_ready(self) -> AdminError:
+        """Why the daemon cannot take admin commands now, for kvctl to say."""
+        server = self.server
+        failure = self.server.runtime.failure if self.server.runtime is not None else None
+        if failure is not None or server.status == "failed":
+            message = (
+                f"the engine failed ({failure or server.detail}); the daemon is exiting "
+                "so that its supervisor restarts it"
+            )
+            status = "failed"
+        else:
+            message = f"the daemon is {server.status}" + (
+                f": {server.detail}" if server.detail else ""
+            )
+            status = server.status
+        return AdminError(
+            503, message, state=status, reason=server.detail, last_failure=self.failures
+        )
 
     # -- reading -------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
-        return await self.runtime.call(self._status)
+        try:
+            return await self.runtime.call(self._status)  # type: ignore[no-any-return]
+        except EngineFailed:
+            raise self.not_ready() from None
 
     def _status(self) -> dict[str, Any]:
         runtime = self.runtime
@@ -141,6 +172,7 @@ class Admin:
                 "reserved": kv.ledger.total_reserved(),
             },
             "state": {"file": str(self.store.path), "restored": self.restored},
+            "engine_failures": self.failures,
             "budget_mode": str(kv.ledger.mode),
             "sharing_policy": str(kv.policy),
             "draining": runtime.draining,
@@ -278,6 +310,8 @@ class Admin:
             body = await self.runtime.call(run)
         except (ValueError, ConfigError) as exc:
             raise AdminError(409, str(exc)) from None
+        except EngineFailed:
+            raise self.not_ready() from None
         try:
             await self._write(body)
         except OSError as exc:
@@ -288,6 +322,8 @@ class Admin:
 
             try:
                 await self.runtime.call(revert)
+            except EngineFailed:
+                raise self.not_ready() from None  # nothing is live any more to be unsaved
             except Exception as undo_failed:  # noqa: BLE001  # reported, with both causes
                 log.error("admin.undo_failed", op=op, error=str(undo_failed))
                 raise AdminError(
@@ -506,6 +542,7 @@ class Admin:
         return {"ok": True, "op": "drain", "in_flight": self.runtime.in_flight}
 
     async def undrain(self) -> dict[str, Any]:
+        self.runtime  # noqa: B018  # refused once the engine has failed
         if self.shutting_down:
             raise AdminError(409, "the daemon is shutting down: it cannot be undrained")
         self.runtime.draining = False
@@ -551,7 +588,7 @@ def create_admin_app(admin: Admin) -> QuartTrio:
 
     @app.errorhandler(AdminError)
     async def admin_error(exc: AdminError) -> Response:
-        return reply({"error": str(exc)}, exc.status)
+        return reply({"error": str(exc), **exc.fields}, exc.status)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
@@ -567,6 +604,19 @@ def create_admin_app(admin: Admin) -> QuartTrio:
     @app.get("/v1/status")
     async def status() -> Response:
         return reply(await admin.status())
+
+    if faults.testing():
+        # The test suite's hook (KVD_FAULTS with KVD_TESTING=1): arm faults in
+        # a running daemon, counted afresh. Absent (404) in any other daemon.
+        @app.post("/v1/faults")
+        async def arm_faults() -> Response:
+            spec = (await body(FaultsBody)).spec
+            try:
+                faults.armed = faults.parse(spec)
+            except faults.FaultSpecError as exc:
+                raise AdminError(400, str(exc)) from None
+            log.warning("faults.armed", faults=str(faults.armed))
+            return reply({"ok": True, "faults": str(faults.armed)})
 
     @app.get("/v1/tenants")
     async def tenants() -> Response:

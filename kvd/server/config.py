@@ -44,6 +44,10 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     log_prompts: bool = False  # prompt and completion text in the logs (off: privacy)
     queue_timeout: float | None = 600.0  # seconds a request may wait to start; None: forever
     step_log_interval: float = 10.0  # seconds between engine.step summaries
+    # A step that has not come back after this long means a hung or lost
+    # device: the engine has failed (below systemd's WatchdogSec, so kvd
+    # answers its clients before the watchdog kills it).
+    step_timeout: float = 20.0
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -181,6 +185,7 @@ def validate(config: Config) -> None:
     _mode(server.admin_socket_mode)
     _positive("server.drain_timeout", server.drain_timeout, allow_zero=True)
     _positive("server.hard_deadline", server.hard_deadline)
+    _positive("server.step_timeout", server.step_timeout)
     if server.queue_timeout is not None:
         _positive("server.queue_timeout", server.queue_timeout)
     _positive("server.step_log_interval", server.step_log_interval)

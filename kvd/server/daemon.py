@@ -13,6 +13,13 @@ Lifecycle:
    exits at once (1). A hard deadline (``drain_timeout + hard_deadline``)
    exits even if a client that stopped reading holds a connection open:
    hypercorn's send cannot be cancelled, so only leaving the process ends it.
+4. The engine fails (a step raised or hung, an invariant broke): the daemon
+   fails fast rather than sit alive and mute. ``/ready`` answers 503 with the
+   cause at once, every request in flight gets an error (``engine_failed``),
+   new ones 503, systemd hears ``STOPPING=1``, ``lifecycle.failed`` is logged
+   and the failure recorded beside the state file; after at most a second
+   for the answers to go out the process exits 1, so ``Restart=`` brings it
+   back with its persisted state. A hard deadline makes sure it does.
 """
 
 from __future__ import annotations
@@ -21,17 +28,19 @@ import os
 import signal
 import socket
 import stat
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from kvd import __version__
+from kvd import __version__, faults
 from kvd.server import systemd
 from kvd.server.admin import Admin, create_admin_app
 from kvd.server.config import (
@@ -54,6 +63,10 @@ from kvd.server.state import (
 log = structlog.get_logger("kvd")
 
 TCP_USER_TIMEOUT_MS = 30_000  # unacknowledged data this long drops the connection
+EXIT_FAILED = 1  # the engine failed: restart me (systemd's Restart=on-failure)
+ANSWER_WINDOW_S = 1.0  # after a failure: the error answers go out, /ready says failed
+FAILED_EXIT_DEADLINE_S = 5.0  # after a failure, the process is gone by then whatever happens
+ADMIN_SOCKET_CHECK_S = 1.0  # how often the admin socket's path is checked to still be ours
 
 
 class _Hypercorn(HypercornConfig):
@@ -88,6 +101,15 @@ def _group_id(name: str) -> int:
         return grp.getgrnam(name).gr_gid
     except KeyError:
         raise ConfigError(f"server.admin_group: no group {name!r}") from None
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """What the path names now (device, inode), None if nothing."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def prepare_socket_path(path: Path) -> None:
@@ -141,12 +163,26 @@ class Daemon:
         self._load_scope = trio.CancelScope()
         self.signals = 0
         self.clean = False  # every request ended and its pages were released
+        self.failure: str | None = None  # why the engine failed
 
     async def run(self) -> int:
         """Serve until a signal; returns the exit status."""
         config = self.config
         log.info("lifecycle.start", version=__version__, pid=os.getpid(), model=config.served_model)
+        armed = faults.arm_from_environment()
+        if armed is not None:
+            log.warning("lifecycle.faults_armed", faults=str(armed), reason="KVD_TESTING=1")
         saved = self.store.load()  # a corrupt state file stops the start here
+        failures = self.store.load_failures()
+        if failures is not None:
+            self.admin.failures = msgspec.to_builtins(failures)
+            self.state.metrics.engine_failures.inc(failures.count)
+            log.warning(
+                "lifecycle.previous_failures",
+                count=failures.count,
+                last_at=failures.last_at,
+                last_cause=failures.last_cause,
+            )
         if saved is not None:
             differs = overridden(config, saved)
             self.admin.restored = {"file": str(self.store.path), "overrides": differs}
@@ -161,29 +197,43 @@ class Daemon:
                 if differs
                 else None,
             )
+        try:
+            await self._serve(saved)
+        except BaseException:
+            # Whatever went wrong, the process must end: a task that ignores
+            # cancellation must not keep a listener open that nobody serves.
+            self._arm_exit_deadline(FAILED_EXIT_DEADLINE_S, EXIT_FAILED, "an unexpected error")
+            raise
+        self.admin_socket.unlink(missing_ok=True)
+        self._report_stopped()
+        return EXIT_FAILED if self.failure is not None else 0
+
+    async def _serve(self, saved: Any) -> None:
         async with trio.open_nursery() as nursery:  # signals, watchdog, the engine task
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(systemd.watchdog, self._alive)
             async with trio.open_nursery() as http:
                 await self._start_http(http)
                 await self._start_admin(http)
+                self.state.status = "loading"
+                self.state.detail = "loading the model"
                 systemd.notify("STATUS=loading the model and compiling")
                 loaded = None
                 with self._load_scope:
                     loaded = await trio.to_thread.run_sync(
-                        lambda: load(config, _log_progress, saved), abandon_on_cancel=True
+                        lambda: self._load(saved), abandon_on_cancel=True
                     )
                 if loaded is not None and not self._stop.is_set():
                     self._go_live(nursery, loaded)
                     await self._stop.wait()
-                    await self._drain()
+                    if self.failure is None:
+                        await self._drain()
+                    else:
+                        await self._let_answers_out()
                 else:
                     self.clean = True  # stopped while loading: nothing to drain
                 self._http_stopped.set()
             nursery.cancel_scope.cancel()
-        self.admin_socket.unlink(missing_ok=True)
-        self._report_stopped()
-        return 0
 
     async def _start_http(self, nursery: trio.Nursery) -> None:
         hconfig = _Hypercorn()
@@ -219,30 +269,88 @@ class Daemon:
         log.info("lifecycle.metrics_listening", addresses=bound)
 
     async def _start_admin(self, nursery: trio.Nursery) -> None:
-        """The admin API on its Unix socket (a separate app: one app served
-        twice would run its start-up hooks twice)."""
-        prepare_socket_path(self.admin_socket)
+        await nursery.start(self._serve_admin)
+        log.info("lifecycle.admin_socket", path=str(self.admin_socket))
+
+    async def _serve_admin(self, task_status: trio.TaskStatus[None]) -> None:
+        """The admin API on its Unix socket, kept there: a socket removed
+        under the daemon (its directory cleaned away, say) is bound again
+        within ADMIN_SOCKET_CHECK_S, so kvctl never loses the daemon for good."""
+        started = False
+        while not self._http_stopped.is_set():
+            try:
+                prepare_socket_path(self.admin_socket)
+            except (ConfigError, OSError) as exc:
+                if not started:
+                    raise
+                log.error("admin.socket_rebind_failed", path=str(self.admin_socket), error=str(exc))
+                with trio.move_on_after(ADMIN_SOCKET_CHECK_S):
+                    await self._http_stopped.wait()
+                continue
+            stop = trio.Event()
+            async with trio.open_nursery() as server:
+                await server.start(self._serve_admin_once, stop)
+                if not started:
+                    started = True
+                    task_status.started()
+                else:
+                    log.warning("admin.socket_restored", path=str(self.admin_socket))
+                bound = _identity(self.admin_socket)
+                while not self._http_stopped.is_set():
+                    with trio.move_on_after(ADMIN_SOCKET_CHECK_S):
+                        await self._http_stopped.wait()
+                    if _identity(self.admin_socket) != bound:
+                        log.warning(
+                            "admin.socket_lost", path=str(self.admin_socket), action="binding again"
+                        )
+                        break
+                stop.set()
+
+    async def _serve_admin_once(
+        self, stop: trio.Event, task_status: trio.TaskStatus[list[str]]
+    ) -> None:
+        # A fresh app each time: one app served twice would run its start-up
+        # hooks twice.
         hconfig = _Hypercorn()
         hconfig.bind = [f"unix:{self.admin_socket}"]
         hconfig.accesslog = None
         hconfig.graceful_timeout = 1.0
         hconfig.socket_mode = socket_mode(self.config)
         hconfig.socket_group = self.config.server.admin_group
-        app = create_admin_app(self.admin)
+        await hypercorn_serve(
+            create_admin_app(self.admin),
+            hconfig,
+            shutdown_trigger=stop.wait,
+            task_status=task_status,
+        )
 
-        async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
-            await hypercorn_serve(
-                app, hconfig, shutdown_trigger=self._http_stopped.wait, task_status=task_status
-            )
+    def _load(self, saved: Any) -> Loaded:
+        """``load``, with the failures a start expects passed on as they are,
+        and any other (the device failing its first steps, say) as an
+        EngineError: one line for the operator, the traceback in the log."""
+        from kvd.engine.engine import EngineError
 
-        await nursery.start(serve)
-        log.info("lifecycle.admin_socket", path=str(self.admin_socket))
+        try:
+            return load(self.config, self._progress, saved)
+        except Exception as exc:
+            if _expected_startup_failure(exc):
+                raise
+            log.error("lifecycle.load_failed", error=repr(exc), exc_info=exc)
+            raise EngineError(f"the engine failed while starting: {exc!r}") from exc
+
+    def _progress(self, event: str, fields: dict[str, Any]) -> None:
+        """Loading progress: logged, and what ``/ready`` and kvctl say meanwhile."""
+        log.info(event, **fields)
+        self.state.detail = " ".join(
+            [event, *(f"{k}={v}" for k, v in fields.items() if not isinstance(v, dict | list))]
+        )
 
     def _go_live(self, nursery: trio.Nursery, loaded: Loaded) -> None:
         runtime = Runtime(
             loaded.scheduler,
             step_log_interval=self.config.server.step_log_interval,
             max_in_flight=self.config.server.max_in_flight,
+            step_timeout=self.config.server.step_timeout,
         )
         self.runtime = runtime
         state = self.state
@@ -259,9 +367,10 @@ class Daemon:
         )
         state.tokenizer = loaded.model.tokenizer
         state.vocab_size = loaded.model.config.vocab_size
-        nursery.start_soon(runtime.run)
+        nursery.start_soon(self._run_engine, runtime)
         state.ready = True
         state.status = "ready"
+        state.detail = None
         tenants = {
             t.name: {"reservation_pages": t.reservation_pages, "cap_pages": t.cap_pages}
             for t in loaded.scheduler.tenants.values()
@@ -274,6 +383,45 @@ class Daemon:
             prefixes=[name for name, _ in loaded.scheduler.kv.public.items()],
         )
         systemd.notify("READY=1", "STATUS=serving")
+
+    async def _run_engine(self, runtime: Runtime) -> None:
+        await runtime.run()  # returns only if the engine failed
+        assert runtime.failure is not None
+        await self._fail(runtime.failure)
+
+    async def _fail(self, cause: str) -> None:
+        """The engine failed: say so everywhere at once, then stop (the
+        requests in flight have already been answered by the runtime)."""
+        self.failure = cause
+        state = self.state
+        state.ready = False
+        state.status = "failed"
+        state.detail = cause
+        self.admin.shutting_down = True
+        state.metrics.engine_failures.inc()
+        self._arm_exit_deadline(FAILED_EXIT_DEADLINE_S, EXIT_FAILED, "the engine failed")
+        systemd.notify("STOPPING=1", f"STATUS=failed: {cause}"[:512])
+        log.error(
+            "lifecycle.failed",
+            error=cause,
+            exit_status=EXIT_FAILED,
+            hint="the daemon exits so that its supervisor restarts it; admin changes "
+            "are in the state file",
+        )
+        try:
+            with trio.move_on_after(1.0):  # a disk that hangs must not delay the exit
+                record = await trio.to_thread.run_sync(
+                    self.store.record_failure, cause, abandon_on_cancel=True
+                )
+                self.admin.failures = msgspec.to_builtins(record)
+        except OSError as exc:
+            log.warning("lifecycle.failure_not_recorded", error=str(exc))
+        self._stop.set()
+
+    async def _let_answers_out(self) -> None:
+        """The window in which the handlers send their errors, and /ready and
+        new requests say why (a load balancer polling /ready sees it)."""
+        await trio.sleep(ANSWER_WINDOW_S)
 
     def _alive(self, timeout: float) -> bool:
         """For the systemd watchdog: loading (a worker thread), or the engine
@@ -319,22 +467,29 @@ class Daemon:
 
     def _arm_hard_deadline(self) -> None:
         deadline = self.config.server.drain_timeout + self.config.server.hard_deadline
+        self._arm_exit_deadline(deadline, None, "connections still open after the drain")
+
+    def _arm_exit_deadline(self, after_s: float, status: int | None, reason: str) -> None:
+        """Leave the process ``after_s`` from now whatever it is doing, with
+        ``status`` (None: 0 if the drain ended clean, else 1)."""
 
         def hard_exit() -> None:
-            log.warning(
-                "lifecycle.hard_exit",
-                after_s=deadline,
-                clean=self.clean,
-                reason="connections still open after the drain",
-            )
-            os._exit(0 if self.clean else 1)
+            code = status if status is not None else 0 if self.clean else 1
+            log.warning("lifecycle.hard_exit", after_s=after_s, status=code, reason=reason)
+            sys.stdout.flush()
+            os._exit(code)
 
-        timer = threading.Timer(deadline, hard_exit)
+        timer = threading.Timer(after_s, hard_exit)
         timer.daemon = True
         timer.start()
 
     def _report_stopped(self) -> None:
         fields: dict[str, Any] = {}
+        if self.failure is not None:
+            # The scheduler is in whatever state the failure left it (a hung
+            # step may still hold it): nothing to check, only to leave.
+            log.info("lifecycle.stopped", failed=True, exit_status=EXIT_FAILED)
+            return
         if self.runtime is not None:
             kv = self.runtime.scheduler.kv
             kv.check_invariants()
@@ -347,10 +502,6 @@ def describe_device() -> str:
 
     device = jax.devices()[0]
     return f"{device.platform}: {device.device_kind} x{jax.device_count()}"
-
-
-def _log_progress(event: str, fields: dict[str, Any]) -> None:
-    log.info(event, **fields)
 
 
 def check_paths(config: Config) -> list[str]:
@@ -369,15 +520,27 @@ def startup_failure(exc: BaseException) -> str | None:
     """The message of an expected start-up failure (a bad model, pool or
     budget, an address in use), unwrapped from trio's exception groups;
     None for anything else (a bug: let it show its traceback)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if _expected_startup_failure(exc):
+        log.error("lifecycle.failed", error=str(exc))
+        return str(exc)
+    log.error("lifecycle.failed", error=repr(exc))  # a bug: its traceback follows
+    return None
+
+
+def _expected_startup_failure(exc: BaseException) -> bool:
     from kvd.engine.engine import EngineError
     from kvd.engine.loader import ModelLoadError
     from kvd.kv.ledger import BudgetError
 
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    if isinstance(
-        exc, ConfigError | StateError | ModelLoadError | BudgetError | EngineError | OSError
-    ):
-        log.error("lifecycle.failed", error=str(exc))
-        return str(exc)
-    return None
+    return isinstance(
+        exc,
+        ConfigError
+        | StateError
+        | ModelLoadError
+        | BudgetError
+        | EngineError
+        | OSError
+        | faults.FaultSpecError,
+    )

@@ -23,12 +23,13 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from kvd import faults
 from kvd.engine.tokenizer import Tokenizer
 from kvd.sched.scheduler import Rejection, StepEvent
 from kvd.server.api import ApiError, ChatRequest, CompletionRequest, Prepared, decode_body, prepare
 from kvd.server.config import key_digest
 from kvd.server.metrics import CONTENT_TYPE, Metrics
-from kvd.server.runtime import Runtime, Ticket, waiting_batches
+from kvd.server.runtime import ENGINE_FAILED, Runtime, Ticket, waiting_batches
 from kvd.server.textstream import TextStream
 
 log = structlog.get_logger("kvd")
@@ -56,7 +57,8 @@ class ServerState:
     keys: dict[str, TenantAccess]  # SHA-256 hex of the bearer key -> tenant
     log_prompts: bool = False
     ready: bool = False
-    status: str = "starting"
+    status: str = "starting"  # loading, ready, draining, failed
+    detail: str | None = None  # what loading is doing, or why it failed
     queue_timeout: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -114,16 +116,21 @@ def create_app(state: ServerState, *, max_body: int) -> QuartTrio:
     async def api_error(exc: ApiError) -> Response:
         return _error(exc)
 
+    @app.errorhandler(Exception)
+    async def unexpected(exc: Exception) -> Response:
+        # A bug in one handler: that request gets an answer in the API's
+        # format; the engine and everyone else are untouched.
+        log.error("request.error", path=request.path, error=repr(exc))
+        return _error(ApiError(500, f"internal error: {exc!r}", code="internal_error"))
+
     @app.get("/health")
     async def health() -> Response:
         return _json({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> Response:
-        if state.status == "draining":
-            return _json({"status": "draining"}, 503)
-        if not state.ready:
-            return _json({"status": state.status}, 503)
+        if not state.ready or state.status != "ready":
+            return _json({"status": state.status, "reason": state.detail}, 503)
         return _json({"status": "ready"})
 
     @app.get("/v1/models")
@@ -208,6 +215,13 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
     try:
         access = _authenticate(state)
         runtime = state.runtime
+        if state.status == "failed":
+            raise ApiError(
+                503,
+                f"the engine failed ({state.detail}); the server is restarting",
+                code=ENGINE_FAILED,
+                retry_after=5,
+            )
         if state.status == "draining":
             raise ApiError(503, "the server is shutting down", code="draining", retry_after=5)
         if runtime is None or not state.ready:
@@ -296,6 +310,9 @@ async def _prepare(state: ServerState, decoded: Any, size: int) -> Prepared:
     return run()
 
 
+_UNFINISHED = ("abort", "deadline", "error", ENGINE_FAILED)  # an error body, no [DONE]
+
+
 class Relay:
     """One request's tokens on their way to its client."""
 
@@ -323,6 +340,7 @@ class Relay:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
+        self.failure: str | None = None  # why it ended with an error
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.created = int(time.time())
@@ -340,17 +358,32 @@ class Relay:
             ended = batch[-1] if batch[-1].token is None else None
             tokens = batch[:-1] if ended is not None else batch
             if tokens:
-                delta, count, finish = self._take(tokens)
+                try:
+                    delta, count, finish = self._take(tokens)
+                except Exception as exc:  # noqa: BLE001  # this request's own fault: it alone ends
+                    self.finish_reason = "error"
+                    self.failure = f"turning its tokens into text failed: {exc!r}"
+                    log.warning(
+                        "request.failed",
+                        request_id=self.ticket.request_id,
+                        tenant=self.tenant,
+                        error=self.failure,
+                    )
+                    yield "", 0, "error"
+                    return
                 yield delta, count, finish
                 if finish is not None:
                     return
-            if ended is not None:  # ended without a token: abort, deadline, cancel
+            if ended is not None:  # ended without a token: abort, deadline, failure, cancel
                 self.finish_reason = ended.finish_reason
-                yield self.text.flush(), 0, self.finish_reason
+                self.failure = ended.detail
+                yield ("" if ended.detail else self.text.flush()), 0, self.finish_reason
                 return
 
     def _take(self, events: list[StepEvent]) -> tuple[str, int, str | None]:
         """Text for a run of token events, and the finish reason if they end it."""
+        if faults.fire("detokenize") == "raise":
+            raise faults.InjectedFault("injected: detokenizing failed")
         now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
@@ -453,6 +486,15 @@ class Relay:
         }
 
     def _raise_if_unfinished(self) -> None:
+        if self.finish_reason == ENGINE_FAILED:
+            raise ApiError(
+                503,
+                f"the engine failed ({self.failure}); the server is restarting: retry",
+                code=ENGINE_FAILED,
+                retry_after=5,
+            )
+        if self.finish_reason == "error":
+            raise ApiError(500, f"this request failed: {self.failure}", code="request_failed")
         if self.finish_reason == "abort":
             raise ApiError(
                 503,
@@ -474,7 +516,7 @@ class Relay:
             if self.chat:
                 yield self._event(self._chunk({"role": "assistant", "content": ""}, None, None))
             async for delta, count, finish in self.deltas():
-                if finish in ("abort", "deadline"):
+                if finish in _UNFINISHED:
                     try:
                         self._raise_if_unfinished()
                     except ApiError as exc:

@@ -55,6 +55,15 @@ class SchedulerCollector(Collector):
         ):
             yield GaugeMetricFamily(name, text, value=value)
         yield CounterMetricFamily("kvd_engine_steps", "Scheduler steps run", value=stats.steps)
+        failed_copies = CounterMetricFamily(
+            "kvd_copy_failures",
+            "Device-to-host copies that failed and were recovered from (swap_out: the "
+            "sequence is recomputed; offload: the host-tier blocks are dropped)",
+            labels=["kind"],
+        )
+        for kind in ("swap_out", "offload"):
+            failed_copies.add_metric([kind], runtime.copy_failures.get(kind, 0))
+        yield failed_copies
         yield CounterMetricFamily(
             "kvd_prefix_query_tokens",
             "Prompt tokens looked up in the prefix cache",
@@ -215,6 +224,13 @@ class Metrics:
             "kvd_requests",
             "Inference requests by tenant and outcome",
             ["tenant", "outcome"],
+            registry=self.registry,
+        )
+
+        self.engine_failures = Counter(
+            "kvd_engine_failures",
+            "Engine failures (a step raised or hung, an invariant broke): the daemon "
+            "answers every request in flight with an error and exits non-zero",
             registry=self.registry,
         )
 

@@ -7,6 +7,14 @@ keeps serving while the device computes) and hands each request's tokens to
 its handler through a memory channel. So every change to scheduler state
 happens between steps, on one task, and a cancel (a client that went away)
 takes effect before the next step: its pages are released within one step.
+
+When the engine fails (a step raises or outlives ``step_timeout``, an
+invariant breaks), the device state is unknown and no later step can be
+trusted: ``run`` returns with ``failure`` set, after ending every request in
+flight with an ``engine_failed`` event and every queued command with its
+failure (a submit is refused, an admin call raises EngineFailed). From then
+on nothing waits on an engine task that is gone. A fault of one request's
+own (the scheduler's ``error`` events) ends that request alone.
 """
 
 from __future__ import annotations
@@ -31,6 +39,15 @@ T = TypeVar("T")
 
 SNAPSHOT_INTERVAL_S = 0.2  # how stale /metrics may be while the engine is busy
 IDLE_POLL_S = 0.25  # deadlines and snapshots still advance while idle
+ENGINE_FAILED = "engine_failed"  # the finish reason of requests the engine's failure ended
+
+
+class EngineFailed(RuntimeError):
+    """The engine task has failed; the daemon is exiting."""
+
+
+class StepTimeout(RuntimeError):
+    """A step did not come back in time: the device hung or was lost."""
 
 
 @dataclass(eq=False)
@@ -67,15 +84,20 @@ class Runtime:
         *,
         step_log_interval: float = 10.0,
         max_in_flight: int = 4096,
+        step_timeout: float = 20.0,
     ) -> None:
         self.scheduler = scheduler
         self.max_in_flight = max_in_flight
+        self.step_timeout = step_timeout
+        self.failure: str | None = None  # why the engine failed, once it has
+        self.copy_failures: dict[str, int] = {}  # device-to-host copies recovered from, by kind
         self.heartbeat = time.monotonic()  # the engine task's last sign of life
         self.step_log_interval = step_log_interval
         self.draining = False
         self.snapshot: SchedulerStats = scheduler.stats()
         self._snapshot_at = 0.0
-        self._inbox: deque[Callable[[], object]] = deque()
+        # Commands, each with what to do instead if the engine fails first.
+        self._inbox: deque[tuple[Callable[[], object], Callable[[], object] | None]] = deque()
         self._wake = trio.Event()
         self._live: dict[str, Ticket] = {}
         self._idle = trio.Event()
@@ -104,7 +126,9 @@ class Runtime:
         arrival: float | None = None,
     ) -> Ticket:
         """Queue a request; returns its ticket once admitted to a queue, or
-        raises Rejection (the scheduler's, or 503 while draining)."""
+        raises Rejection (the scheduler's, or 503 while draining or failed)."""
+        if self.failure is not None:
+            raise self._failed_rejection()
         if self.draining:
             raise Rejection(503, "draining", "the server is draining", retry_after=5.0)
         if len(self._live) >= self.max_in_flight:
@@ -140,7 +164,12 @@ class Runtime:
                 self._forget(ticket)
             ticket.accepted.set()
 
-        self._post(apply)
+        def refuse() -> None:
+            ticket.rejection = self._failed_rejection()
+            self._forget(ticket)
+            ticket.accepted.set()
+
+        self._post(apply, refuse)
         try:
             await ticket.accepted.wait()
         except BaseException:
@@ -156,6 +185,14 @@ class Runtime:
             return
         self._forget(ticket)
         self._post(lambda: self.scheduler.cancel(ticket.request_id))
+
+    def _failed_rejection(self) -> Rejection:
+        return Rejection(
+            503,
+            ENGINE_FAILED,
+            f"the engine failed ({self.failure}); the server is restarting",
+            retry_after=5.0,
+        )
 
     def run_soon(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the event loop's thread soon; callable from any
@@ -198,7 +235,11 @@ class Runtime:
                 outcome.append((False, exc))
             done.set()
 
-        self._post(apply)
+        def refuse() -> None:
+            outcome.append((False, EngineFailed(f"the engine failed: {self.failure}")))
+            done.set()
+
+        self._post(apply, refuse)
         await done.wait()
         ok, value = outcome[0]
         if not ok:
@@ -209,7 +250,7 @@ class Runtime:
         """Until every command posted so far has been applied (after any step
         in progress), e.g. the cancels of an abort."""
         done = trio.Event()
-        self._post(done.set)
+        self._post(done.set, done.set)
         await done.wait()
 
     def _forget(self, ticket: Ticket) -> None:
@@ -218,33 +259,67 @@ class Runtime:
         if not self._live:
             self._idle.set()
 
-    def _post(self, command: Callable[[], object]) -> None:
-        self._inbox.append(command)
+    def _post(
+        self, command: Callable[[], object], instead: Callable[[], object] | None = None
+    ) -> None:
+        """Queue ``command`` for the engine task; ``instead`` runs if the engine
+        has failed (now, or before it got to the command)."""
+        if self.failure is not None:
+            if instead is not None:
+                instead()
+            return
+        self._inbox.append((command, instead))
         self._wake.set()
 
     # -- the engine task ------------------------------------------------------------
 
     async def run(self) -> None:
-        """Apply commands and run steps until cancelled."""
+        """Apply commands and run steps until cancelled; returns only if the
+        engine failed (``failure`` says why)."""
+        try:
+            await self._serve()
+        except Exception as exc:  # noqa: BLE001  # the engine's end: handled, then reported
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = f"{type(exc).__name__}: {exc}"
+        log.error("engine.failed", error=repr(exc), in_flight=len(self._live))
+        while self._inbox:  # submits not yet taken are refused, calls raise
+            _, instead = self._inbox.popleft()
+            if instead is not None:
+                instead()
+        for ticket in list(self._live.values()):
+            ticket.send.send_nowait(
+                StepEvent(ticket.request_id, None, 0.0, True, ENGINE_FAILED, self.failure)
+            )
+            self._forget(ticket)
+            ticket.accepted.set()
+
+    async def _step(self) -> list[StepEvent]:
+        """One scheduler step in a worker thread. Shielded: a shutdown waits
+        for the step in progress (it owns the scheduler until it returns);
+        only ``step_timeout`` gives up on it, and then the engine has failed."""
+        with trio.CancelScope(shield=True), trio.move_on_after(self.step_timeout) as timer:
+            return await trio.to_thread.run_sync(self.scheduler.step, abandon_on_cancel=True)
+        assert timer.cancelled_caught
+        raise StepTimeout(
+            f"a step did not finish within {self.step_timeout:g} s (the device hung or was lost)"
+        )
+
+    async def _serve(self) -> None:
         scheduler = self.scheduler
         while True:
             self.heartbeat = time.monotonic()
             self._wake = trio.Event()
             while self._inbox:
-                self._inbox.popleft()()
+                self._inbox.popleft()[0]()
             if not scheduler.has_work():
                 self._refresh(time.monotonic(), force=True)
                 with trio.move_on_after(IDLE_POLL_S):
                     await self._wake.wait()
                 continue
             started = time.monotonic()
-            try:
-                events = await trio.to_thread.run_sync(scheduler.step)
-            except Exception as exc:
-                # A failed step leaves the device state unknown: stop the
-                # daemon (systemd restarts it) rather than serve wrong tokens.
-                log.error("engine.failed", error=repr(exc), in_flight=len(self._live))
-                raise
+            events = await self._step()
             now = time.monotonic()
             self._dispatch(events)
             self._log_preemptions()
@@ -288,6 +363,19 @@ class Runtime:
                 sink(tenant, first.get(tenant, []), gaps.get(tenant, []))
 
     def _log_preemptions(self) -> None:
+        scheduler = self.scheduler
+        while scheduler.fault_log:
+            request_id, tenant, cause = scheduler.fault_log.popleft()
+            log.warning("request.failed", request_id=request_id, tenant=tenant, error=cause)
+        while scheduler.copy_failures:
+            kind, cause = scheduler.copy_failures.popleft()
+            self.copy_failures[kind] = self.copy_failures.get(kind, 0) + 1
+            log.warning(
+                "kv.copy_failed",
+                kind=kind,
+                error=cause,
+                recovery="recomputed later" if kind == "swap_out" else "blocks dropped",
+            )
         starts = self.scheduler.start_log
         while starts:
             request_id, tenant, queue_steps, cached = starts.popleft()

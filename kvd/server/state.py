@@ -10,17 +10,24 @@ beside it (``.prev``) so an operator can roll back.
 
 When the file exists, it overrides those sections of the configuration on
 start; everything else (model, pool, listen address) comes from the config.
+
+Beside it, ``<state file>.failures`` records the engine's failures (how many,
+the last one's time and cause), so a daemon its supervisor restarted can say
+why it was restarted.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from kvd import faults
 from kvd.kv.ledger import BudgetMode
 from kvd.kv.scope import SharingPolicy
 from kvd.server.config import Config, TenantEntry
@@ -52,6 +59,12 @@ class LiveState(msgspec.Struct, forbid_unknown_fields=True):
     audit: list[AuditEntry] = msgspec.field(default_factory=list)
 
 
+class EngineFailures(msgspec.Struct, forbid_unknown_fields=True):
+    count: int
+    last_at: str  # ISO 8601, UTC
+    last_cause: str
+
+
 class _File(msgspec.Struct, forbid_unknown_fields=True):
     format: str
     sha256: str
@@ -66,6 +79,27 @@ class StateStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.previous = path.with_name(path.name + ".prev")
+        self.failures_path = path.with_name(path.name + ".failures")
+
+    def load_failures(self) -> EngineFailures | None:
+        """The engine failures recorded so far (None: none, or unreadable:
+        a record of past failures must never stop a start)."""
+        try:
+            return msgspec.json.decode(self.failures_path.read_bytes(), type=EngineFailures)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    def record_failure(self, cause: str) -> EngineFailures:
+        """Count an engine failure on disk (durably: the process exits next)."""
+        before = self.load_failures()
+        record = EngineFailures(
+            (before.count if before else 0) + 1,
+            datetime.now(UTC).isoformat(timespec="seconds"),
+            cause,
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write(self.failures_path, msgspec.json.encode(record))
+        return record
 
     def load(self) -> LiveState | None:
         """The saved state, None if there is none; raises StateError if corrupt."""
@@ -110,6 +144,7 @@ class StateStore:
         """Make ``body`` the state file, durably; the old good one becomes
         the previous. Blocking: call it from a worker thread."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        injected = faults.fire("statefile")
         if self.path.exists():
             try:
                 self.load()
@@ -117,17 +152,32 @@ class StateStore:
                 pass  # never keep a corrupt file as the "previous good" one
             else:
                 self._write(self.previous, self.path.read_bytes())
-        self._write(self.path, body)
+        self._write(self.path, body, injected)
 
-    def _write(self, target: Path, body: bytes) -> None:
+    def _write(self, target: Path, body: bytes, injected: str | None = None) -> None:
+        """``body`` into ``target`` through a temporary file that a failure
+        removes: the target is the old file or the new one, never a part."""
         temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        if injected == "readonly":
+            raise OSError(errno.EROFS, f"{os.strerror(errno.EROFS)} (injected)", str(temporary))
         try:
-            os.write(fd, body)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, target)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                if injected == "enospc":  # the disk fills part of the way through
+                    os.write(fd, body[: len(body) // 2])
+                    raise OSError(
+                        errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected)", str(temporary)
+                    )
+                view = memoryview(body)
+                while view:  # a short write is not an error: write the rest
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
         directory = os.open(target.parent, os.O_RDONLY)
         try:
             os.fsync(directory)
