@@ -475,7 +475,9 @@ class Daemon:
 
         def hard_exit() -> None:
             code = status if status is not None else 0 if self.clean else 1
-            log.warning("lifecycle.hard_exit", after_s=after_s, status=code, reason=reason)
+            log.warning(
+                "lifecycle.hard_exit", after_s=after_s, status=code, clean=self.clean, reason=reason
+            )
             sys.stdout.flush()
             os._exit(code)
 
