@@ -63,6 +63,16 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def engine_failed(cause: str | None) -> ApiError:
+    """What a client hears once the engine has failed (retry: it restarts)."""
+    return ApiError(
+        503,
+        f"the engine failed ({cause}); the server is restarting: retry",
+        code=ENGINE_FAILED,
+        retry_after=5,
+    )
+
+
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(_encoder.encode(body), status, headers, content_type="application/json")
 
@@ -216,12 +226,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
         access = _authenticate(state)
         runtime = state.runtime
         if state.status == "failed":
-            raise ApiError(
-                503,
-                f"the engine failed ({state.detail}); the server is restarting",
-                code=ENGINE_FAILED,
-                retry_after=5,
-            )
+            raise engine_failed(state.detail)
         if state.status == "draining":
             raise ApiError(503, "the server is shutting down", code="draining", retry_after=5)
         if runtime is None or not state.ready:
@@ -487,12 +492,7 @@ class Relay:
 
     def _raise_if_unfinished(self) -> None:
         if self.finish_reason == ENGINE_FAILED:
-            raise ApiError(
-                503,
-                f"the engine failed ({self.failure}); the server is restarting: retry",
-                code=ENGINE_FAILED,
-                retry_after=5,
-            )
+            raise engine_failed(self.failure)
         if self.finish_reason == "error":
             raise ApiError(500, f"this request failed: {self.failure}", code="request_failed")
         if self.finish_reason == "abort":

@@ -206,6 +206,7 @@ def load(
     seconds = engine.warm_up(warm)
     progress("lifecycle.warm", {"seconds": round(seconds, 2), "programs": engine.compiled_shapes()})
     # On a scratch KV manager of its own: the calibration's prompts are nobody's.
+    progress("lifecycle.calibrating", {"what": "the prefill and copy rates"})
     rates = scheduler.calibrate()
     progress(
         "lifecycle.calibrated",

@@ -89,7 +89,9 @@ def wait_until(condition: Callable[[], object], what: str, timeout: float = 60) 
 class DaemonProcess:
     """A running ``kvd serve``; its log events are collected as they come."""
 
-    def __init__(self, config: Path, env: dict[str, str], ready_timeout: float = 300) -> None:
+    def __init__(
+        self, config: Path, env: dict[str, str], ready_timeout: float = 300, wait_ready: bool = True
+    ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
             stdout=subprocess.PIPE,
@@ -111,7 +113,8 @@ class DaemonProcess:
             self.url = listening["addresses"][0]
             self.metrics_url = self.wait_for("lifecycle.metrics_listening")["addresses"][0]
             self.admin_socket = Path(self.wait_for("lifecycle.admin_socket")["path"])
-            self.wait_for("lifecycle.ready", ready_timeout)
+            if wait_ready:
+                self.wait_for("lifecycle.ready", ready_timeout)
         except BaseException:
             self.kill()
             raise

@@ -408,6 +408,31 @@ def test_a_step_that_always_fails_never_serves_and_exits_1(
     assert "lifecycle.failed" in names and "lifecycle.ready" not in names
 
 
+def test_kvctl_and_ready_say_why_a_daemon_is_not_ready(
+    tmp_path: Path, daemon_env: DaemonEnv
+) -> None:
+    """A device that hangs in the start's first measured step: the daemon
+    stays loading, says so (and what it is doing) on /ready and to kvctl, and
+    a SIGTERM still ends it."""
+    config = write_config(tmp_path / "kvd.toml")
+    daemon = DaemonProcess(config, fault_env(daemon_env, "step:hang@1"), wait_ready=False)
+    try:
+        daemon.wait_for("lifecycle.calibrating", timeout=300)
+        ready = httpx.get(f"{daemon.url}/ready", timeout=10)
+        assert ready.status_code == 503
+        assert ready.json()["status"] == "loading"
+        assert "lifecycle.calibrating" in ready.json()["reason"]
+        status = kvctl(daemon, "status")
+        assert status.returncode == 1
+        assert "kvd is not ready (loading)" in status.stderr, status.stderr
+        assert "calibrating" in status.stderr
+        refused = complete(daemon)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "loading"
+        assert daemon.terminate() == 0
+    finally:
+        daemon.kill()
+
+
 def test_fault_injection_is_refused_outside_tests(tmp_path: Path, daemon_env: DaemonEnv) -> None:
     config = str(write_config(tmp_path / "k.toml"))
     for env, says in (
