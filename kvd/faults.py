@@ -8,8 +8,9 @@ that time and every later one. The points and what they can do:
   never returns (a lost device);
 - ``sequence:raise``: a sequence's own step inputs cannot be built (counted
   per sequence as it first runs): a fault attributable to one request;
-- ``detokenize:raise``: turning a request's tokens into text fails (counted
-  per batch of tokens handed to a client);
+- ``tokenize:raise`` / ``detokenize:raise``: turning a request's prompt into
+  tokens, or its tokens into text, fails (counted per prompt, and per batch
+  of tokens handed to a client);
 - ``d2h:fail``: a device-to-host copy fails (swap-outs and host-tier
   offloads);
 - ``statefile:enospc`` / ``statefile:readonly``: writing the state file fails
@@ -29,6 +30,7 @@ import threading
 ACTIONS = {
     "step": ("raise", "hang"),
     "sequence": ("raise",),
+    "tokenize": ("raise",),
     "detokenize": ("raise",),
     "d2h": ("fail",),
     "statefile": ("enospc", "readonly"),

@@ -242,7 +242,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
                 param="model",
                 code="model_not_found",
             )
-        prepared = await _prepare(state, decoded, len(body))
+        prepared = await _prepare(state, decoded, len(body), request_id, access.name)
         tier = _resolve_tier(state, access, decoded.priority)
         try:
             ticket = await runtime.submit(
@@ -303,12 +303,23 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
     return _json(body_out, 200, headers)
 
 
-async def _prepare(state: ServerState, decoded: Any, size: int) -> Prepared:
+async def _prepare(
+    state: ServerState, decoded: Any, size: int, request_id: str, tenant: str
+) -> Prepared:
     tokenizer = state.tokenizer
     assert tokenizer is not None
 
     def run() -> Prepared:
-        return prepare(decoded, tokenizer, state.vocab_size, state.max_model_len)
+        try:
+            if faults.fire("tokenize") == "raise":
+                raise faults.InjectedFault("injected: tokenizing failed")
+            return prepare(decoded, tokenizer, state.vocab_size, state.max_model_len)
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001  # this request's own fault: it alone fails
+            cause = f"turning its prompt into tokens failed: {exc!r}"
+            log.warning("request.failed", request_id=request_id, tenant=tenant, error=cause)
+            raise ApiError(500, f"this request failed: {cause}", code="request_failed") from exc
 
     if size > _BIG_PROMPT_CHARS:
         return await trio.to_thread.run_sync(run)

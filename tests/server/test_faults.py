@@ -172,7 +172,25 @@ def test_a_fault_of_one_sequence_fails_that_request_alone(
     for response, expected in zip(results, alone, strict=True):
         if response is not None and response.status_code == 200:
             assert text_of(response) == expected  # the others ran as if nothing happened
-    assert faulty.named("request.failed")
+    wait_until(lambda: faulty.named("request.failed"), "request.failed logged")
+    assert_whole(faulty, before)
+
+
+def test_a_request_whose_prompt_cannot_be_tokenized_fails_alone(
+    faulty: DaemonProcess, before: str, disarm: None
+) -> None:
+    arm(faulty, "tokenize:raise@1")
+    refused = complete(faulty)
+    assert refused.status_code == 500, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "request_failed" and "prompt into tokens" in error["message"]
+    wait_until(
+        lambda: any(
+            "prompt into tokens" in e["error"] and e["tenant"] == "alice"
+            for e in faulty.named("request.failed")
+        ),
+        "request.failed logged with its tenant",
+    )
     assert_whole(faulty, before)
 
 
@@ -208,8 +226,12 @@ def test_a_failed_swap_copy_recomputes_instead(
     for thread in threads:
         thread.join()
     assert [text_of(r) for r in results if r is not None] == alone
-    failed = [e for e in faulty.named("kv.copy_failed") if e["kind"] == "swap_out"]
-    assert failed, "no swap was tried: the pool is not small enough to preempt"
+
+    def failed_swaps() -> list[dict[str, Any]]:
+        return [e for e in faulty.named("kv.copy_failed") if e["kind"] == "swap_out"]
+
+    wait_until(failed_swaps, "a failed swap-out logged (else the pool is too large to preempt)")
+    failed = failed_swaps()
     assert faulty.metrics()['kvd_copy_failures_total{kind="swap_out"}'] >= len(failed)
     assert_whole(faulty, before)
 
