@@ -1,7 +1,9 @@
 """The scheduler's policy under random traffic and live admin changes, on the
 simulated executor (no JAX): every step keeps the pool whole and every output
 exact; reclaiming never pushes a tenant under its reservation; once the
-configuration is sane again, everything finishes (no wedge)."""
+configuration is sane again, everything finishes (no wedge). Faults kvd
+recovers from come at random too: a running sequence whose inputs fail a step
+(it alone ends, with "error"), and swap-out copies that fail (recomputed)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from kvd.sched.requests import Rejection, RequestState
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from kvd.sched.simulated import expected_output
 from tests.sched.simulated import STOP_IDS, Clock, make_executor
+from tests.sched.test_faults import Faulty
 
 TENANTS = ("a", "b", "c", "d")
 TIERS = ("interactive", "batch")
@@ -60,6 +63,8 @@ class PolicyMachine(RuleBasedStateMachine):
         host_pages: int,
     ) -> None:
         self.executor = make_executor(pages=48)  # two long requests fill it
+        self.faulty = Faulty(self.executor)
+        self.host_pages = host_pages
         self.clock = Clock()
         # Rates in made-up seconds: either kind can be the cheaper one.
         rates = Rates(
@@ -158,6 +163,8 @@ class PolicyMachine(RuleBasedStateMachine):
     def _one_step(self) -> None:
         scheduler = self.scheduler
         events = scheduler.step()
+        self.copy_fault_steps -= 1
+        self.faulty.copies_fail = self.copy_fault_steps > 0
         self.steps += 1
         self.clock.now += 0.1
         for event in events:
@@ -168,6 +175,9 @@ class PolicyMachine(RuleBasedStateMachine):
                 assert out == want[: len(out)], (event.request_id, out, want)
             if event.finished:
                 self.done[event.request_id] = event.finish_reason or ""
+                if event.finish_reason == "error":
+                    assert event.request_id == self.faulted, event
+                    self.faulty.bad_seq = self.faulted = None
                 if event.finish_reason in ("stop", "length"):
                     want_tokens, want_reason = self.expected[event.request_id]
                     assert self.outputs[event.request_id] == want_tokens
@@ -180,6 +190,31 @@ class PolicyMachine(RuleBasedStateMachine):
             request_id = data.draw(st.sampled_from(live), "request")
             assert self.scheduler.cancel(request_id)
             self.done[request_id] = "cancelled"
+            if request_id == self.faulted:
+                self.faulty.bad_seq = self.faulted = None
+
+    faulted: str | None = None
+    copy_fault_steps = 0
+
+    @precondition(lambda self: self.faulted is None)
+    @rule(data=st.data())
+    def fault_a_sequence(self, data: st.DataObject) -> None:
+        """The next step a running request is in fails on its own inputs."""
+        running = sorted(self.scheduler.running)
+        if running:
+            self.faulted = data.draw(st.sampled_from(running), "faulted")
+            seq = self.scheduler.requests[self.faulted].seq
+            assert seq is not None
+            self.faulty.bad_seq = seq.seq_id
+
+    # Only without the host tier: a failed offload whose block a hit claims in
+    # the same step fails the engine (the daemon restarts), by design.
+    @precondition(lambda self: self.host_pages == 0)
+    @rule(steps=st.integers(1, 12))
+    def copies_fail(self, steps: int) -> None:
+        """Every device-to-host copy of the next ``steps`` steps fails."""
+        self.copy_fault_steps = steps
+        self.faulty.copies_fail = True
 
     @rule(seconds=st.sampled_from([0.5, 2.0]))
     def time_passes(self, seconds: float) -> None:
