@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 
 import click
@@ -70,6 +72,12 @@ def serve(config_path: str, listen: str | None, admin_socket: str | None) -> Non
         if reason is None:
             raise
         fail(reason, code=1)
+    if daemon.failure is not None:
+        # A hung step's thread may still be inside the device runtime, which
+        # the interpreter's exit would wait on: leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     raise SystemExit(code)
 
 

@@ -9,9 +9,11 @@ The cache is an optimisation, never a reason not to serve:
   (``engine.compile_cache_unusable``);
 - an entry that cannot be read (truncated, garbage) makes JAX compile that
   program again, but JAX never overwrites an entry that exists, so every
-  later start would pay the same compile. kvd removes the entries of that
-  program as JAX reports them (``engine.compile_cache_entry_dropped``), and
-  the compile that follows writes good ones.
+  later start would pay the same compile. As JAX reports one, kvd removes
+  that program's entries that no longer decompress (all of its entries if
+  none fails that way: JAX names the program, not the entry), logging
+  ``engine.compile_cache_entry_dropped``; the compile that follows writes
+  good ones.
 """
 
 from __future__ import annotations
@@ -100,20 +102,32 @@ def _hook_warnings() -> None:
 
 
 def _drop_entries(name: str) -> int:
-    """Remove the entries of program ``name`` (a module name, or a full key)."""
+    """Remove the damaged entries of program ``name`` (a module name: one
+    per shape bucket; or a full key): those that no longer decompress, or,
+    if the damage is deeper than that, all of them."""
     directory = _state["directory"]
     if directory is None:
         return 0
-    dropped = 0
     try:
-        entries = os.listdir(directory)
+        candidates = [directory / e for e in os.listdir(directory) if e.startswith(f"{name}-")]
     except OSError:
         return 0
-    for entry in entries:
-        if entry.startswith(f"{name}-"):
-            try:
-                (directory / entry).unlink()
-                dropped += 1
-            except OSError:
-                pass
+    damaged = [path for path in candidates if not _decompresses(path)]
+    dropped = 0
+    for path in damaged or candidates:
+        with contextlib.suppress(OSError):
+            path.unlink()
+            dropped += 1
     return dropped
+
+
+def _decompresses(path: Path) -> bool:
+    try:
+        from jax._src.compilation_cache import decompress_executable
+    except ImportError:  # another JAX: take every entry of the program as damaged
+        return False
+    try:
+        decompress_executable(path.read_bytes())
+    except Exception:  # noqa: BLE001  # any failure to read it back is damage
+        return False
+    return True

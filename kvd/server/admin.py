@@ -322,7 +322,7 @@ class Admin:
 
             try:
                 await self.runtime.call(revert)
-            except EngineFailed:
+            except (EngineFailed, AdminError):
                 raise self.not_ready() from None  # nothing is live any more to be unsaved
             except Exception as undo_failed:  # noqa: BLE001  # reported, with both causes
                 log.error("admin.undo_failed", op=op, error=str(undo_failed))

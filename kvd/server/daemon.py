@@ -275,36 +275,45 @@ class Daemon:
     async def _serve_admin(self, task_status: trio.TaskStatus[None]) -> None:
         """The admin API on its Unix socket, kept there: a socket removed
         under the daemon (its directory cleaned away, say) is bound again
-        within ADMIN_SOCKET_CHECK_S, so kvctl never loses the daemon for good."""
-        started = False
+        within ADMIN_SOCKET_CHECK_S, so kvctl never loses the daemon for good.
+        A bind that fails then (the directory not ours to make, the path
+        taken) is logged and tried again; only the first bind stops a start."""
+        started: list[bool] = []
         while not self._http_stopped.is_set():
+            failure: str | None = None
             try:
                 prepare_socket_path(self.admin_socket)
-            except (ConfigError, OSError) as exc:
+                await self._serve_admin_until_lost(started, task_status)
+            except* (ConfigError, OSError) as group:
                 if not started:
                     raise
-                log.error("admin.socket_rebind_failed", path=str(self.admin_socket), error=str(exc))
+                failure = "; ".join(str(exc) for exc in group.exceptions)
+            if failure is not None:
+                log.error("admin.socket_rebind_failed", path=str(self.admin_socket), error=failure)
                 with trio.move_on_after(ADMIN_SOCKET_CHECK_S):
                     await self._http_stopped.wait()
-                continue
-            stop = trio.Event()
-            async with trio.open_nursery() as server:
-                await server.start(self._serve_admin_once, stop)
-                if not started:
-                    started = True
-                    task_status.started()
-                else:
-                    log.warning("admin.socket_restored", path=str(self.admin_socket))
-                bound = _identity(self.admin_socket)
-                while not self._http_stopped.is_set():
-                    with trio.move_on_after(ADMIN_SOCKET_CHECK_S):
-                        await self._http_stopped.wait()
-                    if _identity(self.admin_socket) != bound:
-                        log.warning(
-                            "admin.socket_lost", path=str(self.admin_socket), action="binding again"
-                        )
-                        break
-                stop.set()
+
+    async def _serve_admin_until_lost(
+        self, started: list[bool], task_status: trio.TaskStatus[None]
+    ) -> None:
+        stop = trio.Event()
+        async with trio.open_nursery() as server:
+            await server.start(self._serve_admin_once, stop)
+            if not started:
+                started.append(True)
+                task_status.started()
+            else:
+                log.warning("admin.socket_restored", path=str(self.admin_socket))
+            bound = _identity(self.admin_socket)
+            while not self._http_stopped.is_set():
+                if bound is None or _identity(self.admin_socket) != bound:
+                    log.warning(
+                        "admin.socket_lost", path=str(self.admin_socket), action="binding again"
+                    )
+                    break
+                with trio.move_on_after(ADMIN_SOCKET_CHECK_S):
+                    await self._http_stopped.wait()
+            stop.set()
 
     async def _serve_admin_once(
         self, stop: trio.Event, task_status: trio.TaskStatus[list[str]]
@@ -437,6 +446,9 @@ class Daemon:
                 if self.signals > 1:
                     log.warning("lifecycle.forced_exit", signal=name)
                     os._exit(1)
+                if self.failure is not None:  # already on its way out, saying why
+                    log.info("lifecycle.signal", signal=name, ignored="exiting: the engine failed")
+                    continue
                 log.info("lifecycle.signal", signal=name)
                 self._arm_hard_deadline()
                 self.state.status = "draining"
@@ -474,7 +486,10 @@ class Daemon:
         ``status`` (None: 0 if the drain ended clean, else 1)."""
 
         def hard_exit() -> None:
-            code = status if status is not None else 0 if self.clean else 1
+            if status is not None:
+                code = status
+            else:
+                code = EXIT_FAILED if self.failure is not None or not self.clean else 0
             log.warning(
                 "lifecycle.hard_exit", after_s=after_s, status=code, clean=self.clean, reason=reason
             )

@@ -106,6 +106,9 @@ class Runtime:
         # Called per tenant and step with its (time to first token, inter-token) values.
         self.latency_sink: Callable[[str, list[float], list[float]], None] | None = None
         self._trio_token = trio.lowlevel.current_trio_token()
+        # The step's own worker: never queued behind other threads (tokenizing,
+        # state file writes), whose wait would count against step_timeout.
+        self._step_thread = trio.CapacityLimiter(1)
 
     # -- the handlers' side ------------------------------------------------------
 
@@ -300,7 +303,9 @@ class Runtime:
         for the step in progress (it owns the scheduler until it returns);
         only ``step_timeout`` gives up on it, and then the engine has failed."""
         with trio.CancelScope(shield=True), trio.move_on_after(self.step_timeout) as timer:
-            return await trio.to_thread.run_sync(self.scheduler.step, abandon_on_cancel=True)
+            return await trio.to_thread.run_sync(
+                self.scheduler.step, abandon_on_cancel=True, limiter=self._step_thread
+            )
         assert timer.cancelled_caught
         raise StepTimeout(
             f"a step did not finish within {self.step_timeout:g} s (the device hung or was lost)"

@@ -18,6 +18,7 @@ why it was restarted.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -176,7 +177,8 @@ class StateStore:
                 os.close(fd)
             os.replace(temporary, target)
         except BaseException:
-            temporary.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only disk: the first error says it
+                temporary.unlink(missing_ok=True)
             raise
         directory = os.open(target.parent, os.O_RDONLY)
         try:

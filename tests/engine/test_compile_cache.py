@@ -14,7 +14,8 @@ from pathlib import Path
 import jax, jax.numpy as jnp
 from kvd.engine import compile_cache
 print("enabled", compile_cache.enable(Path(sys.argv[1])))
-print("result", jax.jit(lambda x: x * 3 + 1)(jnp.arange(4)).tolist())
+f = jax.jit(lambda x: x * 3 + 1)
+print("result", f(jnp.arange(4)).tolist(), f(jnp.arange(5)).tolist())
 """
 
 
@@ -34,7 +35,7 @@ def test_a_file_where_the_cache_directory_should_be_is_not_used(tmp_path: Path) 
     (tmp_path / "xla").write_text("not a directory")
     out = run(tmp_path / "xla")
     assert "enabled False" in out and "engine.compile_cache_unusable" in out
-    assert "result [1, 4, 7, 10]" in out
+    assert "result [1, 4, 7, 10] [1, 4, 7, 10, 13]" in out
     assert (tmp_path / "xla").read_text() == "not a directory"  # left as found
 
 
@@ -45,8 +46,23 @@ def test_unreadable_entries_are_replaced_by_fresh_ones(tmp_path: Path) -> None:
     for entry in cache.iterdir():
         entry.write_bytes(b"garbage")
     out = run(cache)
-    assert "engine.compile_cache_entry_dropped" in out and "result [1, 4, 7, 10]" in out
+    assert "engine.compile_cache_entry_dropped" in out
+    assert "result [1, 4, 7, 10] [1, 4, 7, 10, 13]" in out
     assert sorted(p.name for p in cache.iterdir()) == entries
     assert all(p.read_bytes() != b"garbage" for p in cache.iterdir())
     # And the next process reads them without a word.
     assert "compile_cache_entry_dropped" not in run(cache)
+
+
+def test_only_the_damaged_entry_of_a_program_goes(tmp_path: Path) -> None:
+    cache = tmp_path / "xla"
+    run(cache)
+    shapes = sorted(p for p in cache.iterdir() if p.name.startswith("jit__lambda-"))
+    assert len(shapes) == 2  # one program, two shape buckets
+    damaged, intact = shapes
+    damaged.write_bytes(damaged.read_bytes()[:20])  # truncated
+    kept = intact.read_bytes()
+    out = run(cache)
+    assert "dropped=1" in out or '"dropped": 1' in out, out
+    assert intact.read_bytes() == kept and intact.stat().st_size == len(kept)
+    assert len(damaged.read_bytes()) > 20  # written again, whole

@@ -483,6 +483,17 @@ def test_sigkill_mid_step_then_restart_loses_no_admin_change(
         assert kvctl(daemon, "tenant", "add", "dave", "--key", DAVE).returncode == 0
         assert kvctl(daemon, "tenant", "set", "bob", "--weight", "3").returncode == 0
         before = text_of(complete(daemon))
+        # A second daemon on the same admin socket is refused, the first untouched.
+        second = subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
+            env=daemon_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 1
+        assert "another daemon is listening on this admin socket" in second.stderr, second.stderr
+        assert kvctl(daemon, "status", "--json").returncode == 0
         # Without KVD_FAULTS the test-only endpoint does not exist.
         transport = httpx.HTTPTransport(uds=str(daemon.admin_socket))
         with httpx.Client(transport=transport, base_url="http://kvd") as admin:
