@@ -29,7 +29,13 @@ from kvd.sched.scheduler import Rejection, StepEvent
 from kvd.server.api import ApiError, ChatRequest, CompletionRequest, Prepared, decode_body, prepare
 from kvd.server.config import key_digest
 from kvd.server.metrics import CONTENT_TYPE, Metrics
-from kvd.server.runtime import ENGINE_FAILED, Runtime, Ticket, waiting_batches
+from kvd.server.runtime import (
+    ENGINE_FAILED,
+    Runtime,
+    Ticket,
+    failed_message,
+    waiting_batches,
+)
 from kvd.server.textstream import TextStream
 
 log = structlog.get_logger("kvd")
@@ -64,13 +70,7 @@ class ServerState:
 
 
 def engine_failed(cause: str | None) -> ApiError:
-    """What a client hears once the engine has failed (retry: it restarts)."""
-    return ApiError(
-        503,
-        f"the engine failed ({cause}); the server is restarting: retry",
-        code=ENGINE_FAILED,
-        retry_after=5,
-    )
+    return ApiError(503, failed_message(cause), code=ENGINE_FAILED, retry_after=5)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -42,6 +42,11 @@ IDLE_POLL_S = 0.25  # deadlines and snapshots still advance while idle
 ENGINE_FAILED = "engine_failed"  # the finish reason of requests the engine's failure ended
 
 
+def failed_message(cause: str | None) -> str:
+    """What a client hears once the engine has failed (retry: it restarts)."""
+    return f"the engine failed ({cause}); the server is restarting: retry"
+
+
 class EngineFailed(RuntimeError):
     """The engine task has failed; the daemon is exiting."""
 
@@ -190,12 +195,7 @@ class Runtime:
         self._post(lambda: self.scheduler.cancel(ticket.request_id))
 
     def _failed_rejection(self) -> Rejection:
-        return Rejection(
-            503,
-            ENGINE_FAILED,
-            f"the engine failed ({self.failure}); the server is restarting",
-            retry_after=5.0,
-        )
+        return Rejection(503, ENGINE_FAILED, failed_message(self.failure), retry_after=5.0)
 
     def run_soon(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the event loop's thread soon; callable from any

@@ -213,6 +213,19 @@ class DaemonProcess:
         return code
 
 
+def serve_until_exit(
+    config: Path | str, env: dict[str, str], *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``kvd serve`` run to its end (a start expected to fail), its output kept."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.fixture(scope="session")
 def kvd_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kvd-cache")

@@ -17,8 +17,6 @@ import json
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,6 +32,7 @@ from tests.server.conftest import (
     BOB,
     DaemonEnv,
     DaemonProcess,
+    serve_until_exit,
     wait_until,
     write_config,
 )
@@ -303,7 +302,7 @@ def poll_ready(daemon: DaemonProcess, seen: list[tuple[int, str]], stop: threadi
             seen.append((response.status_code, response.text))
         except httpx.HTTPError:
             seen.append((0, "unreachable"))
-        time.sleep(0.02)
+        stop.wait(0.02)  # a sampling pace, ended at once by the stop
 
 
 def notify_receiver() -> tuple[str, list[str], threading.Event, threading.Thread]:
@@ -409,19 +408,8 @@ def test_a_step_that_always_fails_never_serves_and_exits_1(
 ) -> None:
     """Every step raising (a broken device) ends the start at warm-up's first
     measured step: one line, exit 1, and systemd's start limit ends the restarts."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvd.cli",
-            "serve",
-            "--config",
-            str(write_config(tmp_path / "k.toml")),
-        ],
-        env=fault_env(daemon_env, "step:raise@1+"),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = serve_until_exit(
+        write_config(tmp_path / "k.toml"), fault_env(daemon_env, "step:raise@1+"), timeout=300
     )
     assert result.returncode == 1
     assert "kvd: error:" in result.stderr and "injected" in result.stderr, result.stderr[-2000:]
@@ -462,13 +450,7 @@ def test_fault_injection_is_refused_outside_tests(tmp_path: Path, daemon_env: Da
         (fault_env(daemon_env, "step:explode"), "step cannot 'explode'"),
         (fault_env(daemon_env, "disk:raise"), "unknown point 'disk'"),
     ):
-        result = subprocess.run(
-            [sys.executable, "-m", "kvd.cli", "serve", "--config", config],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = serve_until_exit(config, env)
         assert result.returncode == 1 and says in result.stderr, result.stderr[-1000:]
         assert "lifecycle.warmup" not in result.stdout  # refused before loading anything
 
@@ -484,13 +466,7 @@ def test_sigkill_mid_step_then_restart_loses_no_admin_change(
         assert kvctl(daemon, "tenant", "set", "bob", "--weight", "3").returncode == 0
         before = text_of(complete(daemon))
         # A second daemon on the same admin socket is refused, the first untouched.
-        second = subprocess.run(
-            [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
-            env=daemon_env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        second = serve_until_exit(config, daemon_env)
         assert second.returncode == 1
         assert "another daemon is listening on this admin socket" in second.stderr, second.stderr
         assert kvctl(daemon, "status", "--json").returncode == 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.server.conftest import ALICE, BOB, DaemonProcess, wait_until
+from tests.server.conftest import ALICE, BOB, DaemonProcess, serve_until_exit, wait_until
 
 MODEL = "random"
 
@@ -193,21 +193,12 @@ def test_bounded_load_run(daemon_env: dict[str, str], monkeypatch: Any) -> None:
 def test_startup_failures_are_one_line_and_exit_1(
     tmp_path: Any, daemon_env: dict[str, str]
 ) -> None:
-    import subprocess
-    import sys
-
     from tests.server.conftest import write_config
 
     config = write_config(tmp_path / "over.toml").read_text()
     config = config.replace('reservation = "25%"', 'reservation = "60%"')
     (tmp_path / "over.toml").write_text(config)
-    result = subprocess.run(
-        [sys.executable, "-m", "kvd.cli", "serve", "--config", str(tmp_path / "over.toml")],
-        env=daemon_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = serve_until_exit(tmp_path / "over.toml", daemon_env)
     assert result.returncode == 1
     assert "kvd: error: reservations would total" in result.stderr
     assert "lifecycle.failed" in result.stdout
@@ -217,21 +208,8 @@ def test_startup_failures_are_one_line_and_exit_1(
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kvd.cli",
-                "serve",
-                "--config",
-                str(write_config(tmp_path / "ok.toml")),
-                "--listen",
-                f"127.0.0.1:{port}",
-            ],
-            env=daemon_env,
-            capture_output=True,
-            text=True,
-            timeout=120,
+        result = serve_until_exit(
+            write_config(tmp_path / "ok.toml"), daemon_env, "--listen", f"127.0.0.1:{port}"
         )
     assert result.returncode == 1
     assert "kvd: error:" in result.stderr and "in use" in result.stderr
