@@ -133,6 +133,7 @@ class Preemption(Admission):
         self.preemption_log.append((request.request_id, request.tenant, kind))
         if kind == SWAP:
             copies = self.kv.begin_swap_out(seq)
+            self.sync_host_tier()  # blocks it reloaded this step: copied in before out
             try:
                 data = self.executor.copy_out([c.page for c in copies])
             except Exception as exc:  # noqa: BLE001  # recovered from: recomputed instead

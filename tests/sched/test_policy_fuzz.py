@@ -357,3 +357,25 @@ def test_policy_fuzz(monkeypatch: Any) -> None:
         suppress_health_check=[HealthCheck.too_slow],
     )
     case().runTest()
+
+
+def test_a_sequence_swapped_out_in_the_step_that_reloaded_its_blocks() -> None:
+    """Found by the fuzz (shrunk): a request whose prefix hit reloads host-tier
+    blocks is preempted by swap in the same step, before the queued copy in
+    ran; its swap copy must read the reloaded content, not the page's old one."""
+    machine = PolicyMachine()
+    machine.start(
+        preemption="auto", swap_cheap=True, swap_pages=None, target_ms=None, host_pages=60
+    )
+    bursts = [
+        ((8, 22, True, None), [("a", "batch")]),
+        ((10, 17, True, "s1"), [("b", "batch"), ("a", "batch"), ("b", None), ("a", "batch")]),
+        ((8, 21, False, "s1"), [("b", None), ("a", "interactive"), ("b", None)]),
+    ]
+    for (length, max_tokens, sample, salt), requests in bursts:
+        for tenant, tier in requests:
+            machine._submit(tenant, tier, length, max_tokens, True, sample, salt, None)
+        machine.pool_is_whole()
+    machine.teardown()  # runs every request to the end, each output checked
+    assert machine.scheduler.stats().preempted_swap > 0
+    assert machine.scheduler.kv.host_hit_tokens > 0
