@@ -114,7 +114,7 @@ class Allocation(PrefixCache):
         if hit is not None:
             if hit.seq_id != seq.seq_id:
                 raise KVError(f"prefix hit of sequence {hit.seq_id} given for {seq.seq_id}")
-            if hit.epoch != self.cache_epoch() or hit.generation != self.generation:
+            if not self.hit_is_current(hit):
                 raise KVError("stale prefix hit: the cache or sharing changed since the lookup")
         if not self.fits(seq.tenant, demand):
             return demand

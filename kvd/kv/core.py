@@ -22,7 +22,7 @@ from kvd.kv.hosttier import HostTier
 from kvd.kv.layout import PageLayout
 from kvd.kv.ledger import SHARED_ACCOUNT, BudgetMode, Ledger
 from kvd.kv.pool import PagePool
-from kvd.kv.records import KVError
+from kvd.kv.records import KVError, PrefixHit
 from kvd.kv.scope import PublicPrefixes, SharingPolicy
 from kvd.kv.sequence import Sequence
 
@@ -67,6 +67,11 @@ class KVCore:
         """Moves whenever a cached block leaves either tier or the host tier
         hands one back: a prefix hit from an older epoch may name it."""
         return self.pool.evictions + self.host.evictions + self.host.reloaded
+
+    def hit_is_current(self, hit: PrefixHit) -> bool:
+        """Nothing a prefix hit names has left either tier, and sharing is as it
+        was, since the lookup that made it."""
+        return hit.epoch == self.cache_epoch() and hit.generation == self.generation
 
     def log_table_edits(self) -> list[tuple[int, int, int, int]]:
         """Start logging single-entry table edits (see ``table_edits``); the

@@ -17,11 +17,14 @@ written-down fairness order instead:
    displaces sequences less important than itself (lowest tier, then newest),
    whoever owns them; a waiting sequence displaces nobody and waits.
 
-Granularity: victims are whole sequences. Within the chosen tenant the first
-sequence in eviction order whose pages fit inside its surplus goes; a tenant
-whose every sequence is larger than its surplus is not a victim at all, since
-reclaiming is never allowed to push a tenant under its reservation. When no
-victim fits, the requester waits. Pages that
+Granularity: victims are whole sequences (a sliding-window model cannot
+resume from a truncated sequence: the window blocks before the cut are
+gone). Within the chosen tenant the first sequence in eviction order that
+fits inside its surplus and alone frees what is still needed goes, else the
+first that fits; a tenant whose every sequence is larger than its surplus is
+not a victim at all, since reclaiming is never allowed to push a tenant under
+its reservation. When no victim fits, the requester waits (until a sequence
+ends): a demand within a reservation can wait only for that reason. Pages that
 sequences staying behind (or the requester's own prefix hit) still hold do not
 count as freed. The plan is pure: the scheduler recomputes or swaps the
 victims, then allocates.
@@ -182,7 +185,7 @@ def _reclaim_surplus(sim: _Simulation, requester: Sequence, short: int) -> Evict
         if not surplus:
             return None
         tenant = max(surplus, key=lambda t: (surplus[t], t))
-        victim = _within_surplus(sim, by_tenant[tenant], surplus[tenant])
+        victim = _within_surplus(sim, by_tenant[tenant], surplus[tenant], short - freed)
         if victim is None:
             del by_tenant[tenant]  # taking any of its sequences would break its guarantee
             continue
@@ -193,13 +196,22 @@ def _reclaim_surplus(sim: _Simulation, requester: Sequence, short: int) -> Evict
     return EvictionPlan(tuple(victims), "reclaim-surplus")
 
 
-def _within_surplus(sim: _Simulation, seqs: list[Sequence], surplus: int) -> Sequence | None:
+def _within_surplus(
+    sim: _Simulation, seqs: list[Sequence], surplus: int, needed: int
+) -> Sequence | None:
     """The first sequence in eviction order whose release stays within the
-    surplus (so the tenant keeps its guarantee); None if every one is larger."""
+    surplus (so the tenant keeps its guarantee) and frees the ``needed``
+    pages on its own; failing that, the first that stays within the surplus
+    (a smaller one taken first could use up the surplus a sufficient one
+    needed); None if every one is larger than the surplus."""
+    fitting = None
     for seq in seqs:
-        if sim.preview(seq)[1] <= surplus:
-            return seq
-    return None
+        freed, relieved = sim.preview(seq)
+        if relieved <= surplus:
+            if freed >= needed:
+                return seq
+            fitting = fitting or seq
+    return fitting
 
 
 def _greedy(

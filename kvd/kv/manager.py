@@ -12,10 +12,11 @@ It is sans-IO and synchronous. The scheduler drives it per step::
     kv.append_tokens(seq, [sampled])
     kv.finish(seq)                            # pages back to the pool
 
-A prefix hit stays valid until a cached page is evicted (``pool.evictions``
-moves) or the sharing configuration changes (``generation`` moves: a policy
-switch or a public-prefix change), so lookup, check and allocate belong in one
-scheduling decision; ``allocate`` refuses a stale hit.
+A prefix hit stays valid until a cached block leaves either tier or the host
+tier hands one back (``cache_epoch()`` moves) or the sharing configuration
+changes (``generation`` moves: a policy switch or a public-prefix change), so
+lookup, check and allocate belong in one scheduling decision; ``allocate``
+refuses a stale hit (``hit_is_current``).
 
 Sliding-window groups (lazy windows): a block is allocated only when a token
 lands in it, and released as soon as no future query can see it: a query at

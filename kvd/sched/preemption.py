@@ -83,7 +83,7 @@ class Preemption(Admission):
             # The plan counts every page a victim lets go of as freed: a swap
             # would keep its shared pages, so these victims are recomputed.
             self._preempt(self._by_seq(victim.seq_id), plan, must_free=True)
-        if hit is not None and hit.epoch != kv.pool.evictions:
+        if hit is not None and not kv.hit_is_current(hit):
             return 0  # the victims' pages evicted what the hit was made of: next step
         n = self._most_that_fits(seq, n, hit, whole=True)
         if n:

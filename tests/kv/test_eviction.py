@@ -264,6 +264,23 @@ def test_reclaiming_prefers_a_victim_that_fits_the_surplus(flat: PageLayout) -> 
     assert plan is not None and [v.seq_id for v in plan.victims] == [1]
 
 
+def test_reclaiming_prefers_a_victim_that_frees_enough_alone(flat: PageLayout) -> None:
+    """c's surplus (6) holds either its newest sequence (2 pages) or an older
+    one (6 pages), not both: taking the newest first, as eviction order says,
+    would use up the surplus and free too little, and a would wait."""
+    budgets = {"a": TenantBudget(12), "c": TenantBudget(18)}
+    kv = make_kv(flat, pages=31, tenants=budgets)
+    running(kv, 1, "c", 16)
+    running(kv, 2, "c", 6)  # older: 6 pages
+    running(kv, 3, "c", 2)  # newest: 2 pages; c holds 24, surplus 6; 6 idle
+    req = kv.add_sequence(9, "a", list(range(48)))  # 12 pages, a's reservation
+    plan = plan_for(kv, req, 48)
+    assert plan is not None and [v.seq_id for v in plan.victims] == [2]
+    carry_out(kv, plan)
+    assert kv.can_allocate(req, 48)
+    assert kv.ledger.accounts["c"].used >= kv.ledger.accounts["c"].reservation
+
+
 def test_pages_the_requesters_hit_needs_are_not_counted_as_freed(flat: PageLayout) -> None:
     kv = make_kv(flat, pages=13, tenants={"a": TenantBudget()})
     prompt = list(range(41))

@@ -8,8 +8,10 @@ Checked throughout:
 - every prefix hit returns pages produced under the requester's own scope for
   the same tokens, and a scope names another tenant only for registered public
   prefixes or under the ``shared`` policy;
-- a demand within a tenant's reservation always has an eviction plan, and the
-  plan, carried out, frees what it promised (reservations are honoured).
+- a demand within a tenant's reservation has an eviction plan unless whole
+  sequences stand in the way (no other tenant's sequence fits inside that
+  tenant's surplus and frees the shortage alone), and the plan, carried out,
+  frees what it promised (reservations are honoured).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from kvd.kv import (
     build_layout,
     plan_eviction,
 )
+from kvd.kv.eviction import _Simulation
+from kvd.kv.records import Demand
 from kvd.kv.scope import PUBLIC_SCOPE
 from kvd.kv.sequence import Sequence
 from tests.kv.conftest import BLOCK, tiny_geometry
@@ -127,7 +131,8 @@ class KVMachine(RuleBasedStateMachine):
                 and guaranteed
                 and self._no_cross_tenant_holders()
             ):
-                assert plan is not None, "a demand within the reservation was refused"
+                if plan is None:
+                    self._refused_only_for_whole_sequences(seq, demand, hit)
             if plan is None:
                 return
             for victim in plan.victims:
@@ -146,6 +151,23 @@ class KVMachine(RuleBasedStateMachine):
                 return
         kv.allocate(seq, num_tokens, hit)
         kv.commit(seq, num_tokens)
+
+    def _refused_only_for_whole_sequences(
+        self, seq: Sequence, demand: Demand, hit: PrefixHit | None
+    ) -> None:
+        """A demand within the reservation may wait only because victims are
+        whole sequences: no other tenant's sequence fits inside its tenant's
+        surplus and frees the shortage on its own."""
+        kv = self.kv
+        short = demand.idle_pages - kv.pool.num_idle()
+        for other in kv.sequences.values():
+            if other.tenant == seq.tenant or other.state is not KVState.RESIDENT:
+                continue
+            freed, relieved = _Simulation(kv, seq, hit).preview(other)
+            assert not (relieved <= kv.ledger.surplus(other.tenant) and freed >= short), (
+                "a demand within the reservation was refused",
+                other.seq_id,
+            )
 
     # -- rules ---------------------------------------------------------------
 

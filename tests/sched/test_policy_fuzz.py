@@ -379,3 +379,27 @@ def test_a_sequence_swapped_out_in_the_step_that_reloaded_its_blocks() -> None:
     machine.teardown()  # runs every request to the end, each output checked
     assert machine.scheduler.stats().preempted_swap > 0
     assert machine.scheduler.kv.host_hit_tokens > 0
+
+
+def test_a_prefix_hit_made_stale_by_its_own_evictions_waits() -> None:
+    """Found by the fuzz (shrunk): after evicting victims for a request with a
+    prefix hit, the scheduler compared the device's eviction count alone with
+    the hit's epoch, which counts both tiers; with 3 host blocks dropped
+    earlier, 3 device evictions made them equal while the hit was stale. The
+    request must wait for the next step, not allocate a stale hit."""
+    machine = PolicyMachine()
+    machine.start(
+        preemption="swap", swap_cheap=False, swap_pages=None, target_ms=None, host_pages=60
+    )
+    machine._submit("a", None, 1, 1, False, False, None, None)
+    for tier in (None, None, None, "batch"):
+        machine._submit("a", tier, 31, 22, False, False, None, None)
+    machine.step(3)
+    machine.faulted = "r2"
+    machine.faulty.bad_seq = machine.scheduler.requests["r2"].seq.seq_id  # type: ignore[union-attr]
+    for tenant in ("b", "a", "a"):
+        machine._submit(tenant, None, 20, 18, False, False, None, None)
+    machine._submit("a", None, 1, 1, False, False, None, None)
+    machine.pool_is_whole()
+    machine.teardown()
+    assert machine.done["r2"] == "error"
