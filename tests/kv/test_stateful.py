@@ -126,14 +126,13 @@ class KVMachine(RuleBasedStateMachine):
         if not kv.can_allocate(seq, num_tokens, hit):
             plan = plan_eviction(kv, seq, demand, hit)
             guaranteed = demand.charges <= kv.ledger.shortfall(seq.tenant)
-            if (
-                kv.ledger.mode is not BudgetMode.FREE
-                and guaranteed
-                and self._no_cross_tenant_holders()
-            ):
-                if plan is None:
-                    self._refused_only_for_whole_sequences(seq, demand, hit)
             if plan is None:
+                if (
+                    kv.ledger.mode is not BudgetMode.FREE
+                    and guaranteed
+                    and self._no_cross_tenant_holders()
+                ):
+                    self._refused_only_for_whole_sequences(seq, demand, hit)
                 return
             for victim in plan.victims:
                 assert victim.seq_id != seq.seq_id

@@ -26,7 +26,7 @@ class Faulty:
         self.failed_copies = 0
         self.runs_refused = 0
         self._run, self._copy_out = executor.run, executor.copy_out
-        executor.run = self.run  # type: ignore[method-assign]
+        executor.run = self.run  # type: ignore[method-assign,assignment]
         executor.copy_out = self.copy_out  # type: ignore[method-assign]
 
     def run(self, seqs: list[Any], *args: Any) -> Any:

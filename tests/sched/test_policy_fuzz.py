@@ -367,7 +367,7 @@ def test_a_sequence_swapped_out_in_the_step_that_reloaded_its_blocks() -> None:
     machine.start(
         preemption="auto", swap_cheap=True, swap_pages=None, target_ms=None, host_pages=60
     )
-    bursts = [
+    bursts: list[tuple[tuple[int, int, bool, str | None], list[tuple[str, str | None]]]] = [
         ((8, 22, True, None), [("a", "batch")]),
         ((10, 17, True, "s1"), [("b", "batch"), ("a", "batch"), ("b", None), ("a", "batch")]),
         ((8, 21, False, "s1"), [("b", None), ("a", "interactive"), ("b", None)]),
