@@ -382,11 +382,12 @@ def test_a_sequence_swapped_out_in_the_step_that_reloaded_its_blocks() -> None:
 
 
 def test_a_prefix_hit_made_stale_by_its_own_evictions_waits() -> None:
-    """Found by the fuzz (shrunk): after evicting victims for a request with a
-    prefix hit, the scheduler compared the device's eviction count alone with
-    the hit's epoch, which counts both tiers; with 3 host blocks dropped
-    earlier, 3 device evictions made them equal while the hit was stale. The
-    request must wait for the next step, not allocate a stale hit."""
+    """Found by the fuzz (shrunk): a victim evicted for a request with a prefix
+    hit is swapped out, and makes room on the host by dropping 3 host-tier
+    blocks. The scheduler checked the hit against the device's eviction count
+    alone, which had not moved, while ``allocate`` checks both tiers and
+    refused the hit as stale (in a daemon: an engine failure). The request
+    must wait for the next step instead."""
     machine = PolicyMachine()
     machine.start(
         preemption="swap", swap_cheap=False, swap_pages=None, target_ms=None, host_pages=60
