@@ -2,14 +2,15 @@
 
 Events: lifecycle.* (start, listening, loading, warmup, calibrated, ready,
 draining, drain_timeout, stopped, hard_exit, forced_exit, failed,
-load_failed, calibrating, previous_failures, faults_armed), request.accepted (the API took it),
-request.start (the scheduler started it: queue steps and seconds, cached
-tokens), request.finish, request.refused, request.failed (a fault of its own),
-request.error (a handler's bug), tenant.rate_limited, kv.preempt,
-kv.copy_failed, engine.step, engine.failed, engine.compile_cache_unusable,
+load_failed, calibrating, previous_failures, faults_armed),
+request.accepted (the API took it), request.start (the scheduler started
+it: queue steps and seconds, cached tokens), request.finish,
+request.refused, request.failed (a fault of its own), request.error (a
+handler's bug), tenant.rate_limited, kv.preempt, kv.copy_failed,
+engine.step, engine.failed, engine.compile_cache_unusable,
 engine.compile_cache_entry_dropped, admin.audit, admin.socket_lost,
-admin.socket_restored, admin.socket_rebind_failed. Prompt and completion text appear only when
-``server.log_prompts`` is on.
+admin.socket_restored, admin.socket_rebind_failed. Prompt and completion
+text appear only when ``server.log_prompts`` is on.
 """
 
 from __future__ import annotations

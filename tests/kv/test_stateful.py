@@ -159,10 +159,11 @@ class KVMachine(RuleBasedStateMachine):
         surplus and frees the shortage on its own."""
         kv = self.kv
         short = demand.idle_pages - kv.pool.num_idle()
+        sim = _Simulation(kv, seq, hit)  # preview changes nothing: one serves every candidate
         for other in kv.sequences.values():
             if other.tenant == seq.tenant or other.state is not KVState.RESIDENT:
                 continue
-            freed, relieved = _Simulation(kv, seq, hit).preview(other)
+            freed, relieved = sim.preview(other)
             assert not (relieved <= kv.ledger.surplus(other.tenant) and freed >= short), (
                 "a demand within the reservation was refused",
                 other.seq_id,

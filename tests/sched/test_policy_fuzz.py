@@ -202,10 +202,13 @@ class PolicyMachine(RuleBasedStateMachine):
         """The next step a running request is in fails on its own inputs."""
         running = sorted(self.scheduler.running)
         if running:
-            self.faulted = data.draw(st.sampled_from(running), "faulted")
-            seq = self.scheduler.requests[self.faulted].seq
-            assert seq is not None
-            self.faulty.bad_seq = seq.seq_id
+            self._fault(data.draw(st.sampled_from(running), "faulted"))
+
+    def _fault(self, request_id: str) -> None:
+        seq = self.scheduler.requests[request_id].seq
+        assert seq is not None
+        self.faulted = request_id
+        self.faulty.bad_seq = seq.seq_id
 
     # Only without the host tier: a failed offload whose block a hit claims in
     # the same step fails the engine (the daemon restarts), by design.
@@ -396,8 +399,7 @@ def test_a_prefix_hit_made_stale_by_its_own_evictions_waits() -> None:
     for tier in (None, None, None, "batch"):
         machine._submit("a", tier, 31, 22, False, False, None, None)
     machine.step(3)
-    machine.faulted = "r2"
-    machine.faulty.bad_seq = machine.scheduler.requests["r2"].seq.seq_id  # type: ignore[union-attr]
+    machine._fault("r2")
     for tenant in ("b", "a", "a"):
         machine._submit(tenant, None, 20, 18, False, False, None, None)
     machine._submit("a", None, 1, 1, False, False, None, None)
