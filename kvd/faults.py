@@ -4,8 +4,9 @@ A comma-separated list of ``point:action[@N][+]``: at the N-th time (default
 the first) the daemon reaches ``point``, ``action`` happens; with ``+``, at
 that time and every later one. The points and what they can do:
 
-- ``step:raise`` / ``step:hang``: the engine step raises (a device error) or
-  never returns (a lost device);
+- ``step:raise`` / ``step:hang`` / ``step:slow``: the engine step raises (a
+  device error), never returns (a lost device), or takes 50 ms longer (a
+  slow device: a test can then act while a request is surely mid-flight);
 - ``sequence:raise``: a sequence's own step inputs cannot be built (counted
   per sequence as it first runs): a fault attributable to one request;
 - ``tokenize:raise`` / ``detokenize:raise``: turning a request's prompt into
@@ -28,13 +29,14 @@ import re
 import threading
 
 ACTIONS = {
-    "step": ("raise", "hang"),
+    "step": ("raise", "hang", "slow"),
     "sequence": ("raise",),
     "tokenize": ("raise",),
     "detokenize": ("raise",),
     "d2h": ("fail",),
     "statefile": ("enospc", "readonly"),
 }
+SLOW_STEP_S = 0.05  # ``step:slow``: long beside a loopback round trip, short beside a test
 _ITEM = re.compile(r"(?P<point>[a-z0-9_]+):(?P<action>[a-z]+)(?:@(?P<at>\d+))?(?P<every>\+)?")
 
 

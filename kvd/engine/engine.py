@@ -134,6 +134,8 @@ def _inject_step_fault() -> None:
         raise faults.InjectedFault("injected: the engine step failed")
     if action == "hang":
         threading.Event().wait()  # a device that never answers
+    if action == "slow":
+        time.sleep(faults.SLOW_STEP_S)
 
 
 def _release_free_heap() -> None:

@@ -145,13 +145,13 @@ class DaemonProcess:
             if left <= 0:
                 raise TimeoutError(f"no {name} within {timeout} s; stderr:\n{self.tail()}")
             try:
-                event = self._lines.get(timeout=left)
+                line = self._lines.get(timeout=left)
             except queue.Empty:
                 continue
-            if event is None:
+            if line is None:
                 raise RuntimeError(f"the daemon exited before {name}; stderr:\n{self.tail()}")
-            if event.get("event") == name:
-                return event
+            if line.get("event") == name:
+                return line
 
     def tail(self) -> str:
         return "".join(self.stderr[-40:])

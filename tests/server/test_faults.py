@@ -270,7 +270,13 @@ def test_a_removed_admin_socket_directory_is_made_again(faulty: DaemonProcess, b
     assert_whole(faulty, before)
 
 
-def test_a_client_vanishing_mid_stream_leaks_nothing(faulty: DaemonProcess, before: str) -> None:
+def test_a_client_vanishing_mid_stream_leaks_nothing(
+    faulty: DaemonProcess, before: str, disarm: None
+) -> None:
+    # Slow steps keep the request generating long after the client is gone
+    # (CI once saw the tiny model finish 200 tokens before the hang-up was
+    # noticed, which ends the request as "length").
+    arm(faulty, "step:slow@1+")
     host, port = faulty.url.removeprefix("http://").split(":")
     body = json.dumps(
         {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
