@@ -324,7 +324,7 @@ def run_inprocess(
     )
     loaded = load(config, lambda event, fields: None)
     scheduler = loaded.scheduler
-    tokenizer = loaded.model.tokenizer
+    tokenizer = loaded.tokenizer
     from kvd.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -62,9 +62,16 @@ def random_model(
     """A tiny Gemma 3 (6 layers, width 32) with random weights and no tokenizer:
     for tests and benchmarks of everything around the model."""
     from kvd.engine.weights import random_params
+
+    config = random_model_config(vocab_size, sliding_window, max_position)
+    return LoadedModel(config, random_params(config, seed), None, "random", 0.0)  # type: ignore[arg-type]
+
+
+def random_model_config(vocab_size: int, sliding_window: int, max_position: int) -> ModelConfig:
+    """The tiny random model's shape (its KV geometry, for executors without weights)."""
     from kvd.kv.geometry import interleaved_kinds
 
-    config = ModelConfig(
+    return ModelConfig(
         name="tiny-random",
         family="gemma3",
         vocab_size=vocab_size,
@@ -78,7 +85,6 @@ def random_model(
         max_position=max_position,
         query_pre_attn_scalar=16.0,
     )
-    return LoadedModel(config, random_params(config, seed), None, "random", 0.0)  # type: ignore[arg-type]
 
 
 def embedded_tokenizer() -> Tokenizer:

@@ -8,21 +8,28 @@ K/V, and computes a sampled token from the context it reads back through the
 block tables: a page handed to two sequences, a stale prefix hit, a window
 slid too early or a swap that lost a page raises ``CorruptKV`` naming the
 page, instead of passing unseen.
+
+It reaches the engine's fault points (``step``, ``sequence``, ``d2h``: see
+kvd/faults.py) as the engine does, so the daemon's handling of each can be
+tested without a device. A ``step:hang`` waits on ``unhang`` (a test's
+teardown sets it) rather than forever.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from kvd import faults
 from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.columns import COMPUTED
 from kvd.kv.layout import PageLayout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
-from kvd.sched.executor import ExecutorLimits, ParamsLookup
+from kvd.sched.executor import ExecutorLimits, ParamsLookup, SequenceFault
 
 Array = np.ndarray[Any, Any]
 UNWRITTEN = -1
@@ -80,6 +87,8 @@ class SimulatedExecutor:
         self.kv: KVManager | None = None
         self.steps = 0
         self.device_seconds = 0.0
+        self.unhang = threading.Event()
+        self._started: set[int] = set()  # sequences that have run (their params read)
 
     def bind(self, kv: KVManager) -> None:
         if kv.layout != self.layout or kv.pool.num_pages != self.num_pages:
@@ -95,6 +104,7 @@ class SimulatedExecutor:
         block: Array,
     ) -> tuple[Array, Array, Array]:
         started = time.perf_counter()
+        self._inject_faults(seqs, params)
         if len(seqs) > self.limits.max_num_seqs:
             raise ValueError(f"{len(seqs)} sequences exceed max_num_seqs")
         if sum(counts) > self.limits.max_num_batched_tokens:
@@ -116,6 +126,20 @@ class SimulatedExecutor:
                 stopped[i] = token in p.stop_token_ids
         self.device_seconds += time.perf_counter() - started
         return sampled, np.full(len(seqs), -0.5, np.float32), stopped
+
+    def _inject_faults(self, seqs: list[Sequence], params: ParamsLookup) -> None:
+        action = faults.fire("step")
+        if action == "raise":
+            raise faults.InjectedFault("injected: the engine step failed")
+        if action == "hang":
+            self.unhang.wait()
+        if action == "slow":
+            time.sleep(faults.SLOW_STEP_S)
+        for i, seq in enumerate(seqs):
+            if seq.seq_id not in self._started and params[i] is not None:
+                if faults.fire("sequence") == "raise":
+                    raise SequenceFault(i, faults.InjectedFault("injected: a sequence's inputs"))
+                self._started.add(seq.seq_id)
 
     def _pages(self, seq: Sequence, group: int, positions: Array) -> Array:
         table = np.asarray(seq.tables[group], np.int64)
@@ -154,6 +178,8 @@ class SimulatedExecutor:
         return seq.tokens[:end]
 
     def copy_out(self, pages: list[int]) -> Array:
+        if faults.fire("d2h") == "fail":
+            raise faults.InjectedFault("injected: a device-to-host copy failed")
         return self.pool[pages].copy()
 
     def copy_in(self, pages: list[int], data: Array) -> None:

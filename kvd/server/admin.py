@@ -27,9 +27,10 @@ from kvd import __version__, faults
 from kvd.kv.ledger import BudgetMode
 from kvd.kv.scope import SharingPolicy
 from kvd.server.config import Config, ConfigError, TenantEntry, validate
-from kvd.server.http import ServerState, TenantAccess
-from kvd.server.loading import tenant_config
+from kvd.server.scheduling import tenant_config
 from kvd.server.runtime import EngineFailed
+from kvd.server.serving import ServerState, TenantAccess
+from kvd.server.status import Status, StatusError
 from kvd.server.state import AUDIT_KEPT, AuditEntry, LiveState, PrefixTokens, StateStore
 
 log = structlog.get_logger("kvd")
@@ -87,9 +88,9 @@ class Admin:
         self.server = server
         self._live: LiveState | None = None  # set once the model is loaded
         self.store = store
-        self.device = describe_device()
+        self._describe_device = describe_device
+        self._device: str | None = None
         self.started = time.monotonic()
-        self.shutting_down = False
         self._changing = trio.Lock()  # one change at a time, file writes in order
         # Set when the start restored a state file: its path, and the config
         # sections it replaced with different values.
@@ -97,6 +98,12 @@ class Admin:
         # The engine failures recorded beside the state file (the last one's
         # time and cause, and how many), read at start.
         self.failures: dict[str, Any] | None = None
+
+    @property
+    def device(self) -> str:
+        if self._device is None:
+            self._device = self._describe_device()
+        return self._device
 
     @property
     def live(self) -> LiveState:
@@ -117,19 +124,17 @@ class Admin:
 
     def not_ready(self) -> AdminError:
         """Why the daemon cannot take admin commands now, for kvctl to say."""
-        server = self.server
+        server = self.server.status
         failure = self.server.runtime.failure if self.server.runtime is not None else None
-        if failure is not None or server.status == "failed":
+        if failure is not None or server.status is Status.FAILED:
             message = (
                 f"the engine failed ({failure or server.detail}); the daemon is exiting "
                 "so that its supervisor restarts it"
             )
-            status = "failed"
+            status = str(Status.FAILED)
         else:
-            message = f"the daemon is {server.status}" + (
-                f": {server.detail}" if server.detail else ""
-            )
-            status = server.status
+            message = f"the daemon is {server}" + (f": {server.detail}" if server.detail else "")
+            status = str(server)
         return AdminError(
             503, message, state=status, reason=server.detail, last_failure=self.failures
         )
@@ -175,7 +180,7 @@ class Admin:
             "engine_failures": self.failures,
             "budget_mode": str(kv.ledger.mode),
             "sharing_policy": str(kv.policy),
-            "draining": runtime.draining,
+            "draining": self.server.status.status is Status.DRAINING,
             "in_flight": runtime.in_flight,
             "requests": {
                 "running": stats.running,
@@ -535,18 +540,21 @@ class Admin:
         return result | {"freed_pages": freed[0]}
 
     async def drain(self) -> dict[str, Any]:
-        self.runtime.draining = True
-        self.server.status = "draining"
+        self.runtime  # noqa: B018  # refused once the engine has failed
+        try:
+            self.server.status.drain()
+        except StatusError as exc:
+            raise AdminError(409, str(exc)) from None
         log.info("admin.audit", op="drain", in_flight=self.runtime.in_flight)
         await self._audit_only("drain")
         return {"ok": True, "op": "drain", "in_flight": self.runtime.in_flight}
 
     async def undrain(self) -> dict[str, Any]:
         self.runtime  # noqa: B018  # refused once the engine has failed
-        if self.shutting_down:
-            raise AdminError(409, "the daemon is shutting down: it cannot be undrained")
-        self.runtime.draining = False
-        self.server.status = "ready"
+        try:
+            self.server.status.undrain()
+        except StatusError as exc:
+            raise AdminError(409, str(exc)) from None
         log.info("admin.audit", op="undrain")
         await self._audit_only("undrain")
         return {"ok": True, "op": "undrain"}

@@ -15,7 +15,12 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from kvd.engine.sampling import MAX_STOP_IDS, MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
+from kvd.engine.sampling_params import (
+    MAX_STOP_IDS,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 from kvd.engine.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from kvd.sched.admission import prompt_problem
 

@@ -31,6 +31,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +51,13 @@ from kvd.server.config import (
     parse_listen,
     socket_mode,
 )
-from kvd.server.http import ServerState, TenantAccess, create_app, create_metrics_app
-from kvd.server.loading import Loaded, load
+from kvd.server.http import create_app, create_metrics_app
 from kvd.server.metrics import Metrics
 from kvd.server.runtime import Runtime
-from kvd.server.state import (
-    StateError,
-    StateStore,
-    overridden,
-)
+from kvd.server.scheduling import Loaded
+from kvd.server.serving import ServerState, TenantAccess
+from kvd.server.state import LiveState, StateError, StateStore, overridden
+from kvd.server.status import ServerStatus
 
 log = structlog.get_logger("kvd")
 
@@ -133,12 +132,44 @@ def prepare_socket_path(path: Path) -> None:
     raise ConfigError(f"{path}: another daemon is listening on this admin socket")
 
 
+Loader = Callable[[Config, Callable[[str, dict[str, Any]], None], LiveState | None], Loaded]
+
+
+def load_engine(
+    config: Config, progress: Callable[[str, dict[str, Any]], None], saved: LiveState | None
+) -> Loaded:
+    """The real loader (the model on the device, compiled): imported only
+    when called, so the daemon's own modules stay free of JAX."""
+    from kvd.server.loading import load
+
+    return load(config, progress, saved)
+
+
 class Daemon:
-    def __init__(self, config: Config, *, listen: str | None = None) -> None:
+    """The process: listeners, the load, the engine task, signals, drain.
+
+    ``loader`` builds what serving starts from (the engine by default; the
+    in-process tests pass a simulated one), ``describe_device`` names the
+    device for kvctl, and ``step_in_thread``/``clock`` go to the runtime."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        listen: str | None = None,
+        loader: Loader = load_engine,
+        describe_device: Callable[[], str] | None = None,
+        step_in_thread: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.listen = listen or config.server.listen
         parse_listen(self.listen)
+        self.loader = loader
+        self.step_in_thread = step_in_thread
+        self.clock = clock
         self.runtime: Runtime | None = None
+        self.status = ServerStatus()
         self.state = ServerState(
             runtime=None,
             tokenizer=None,
@@ -146,18 +177,19 @@ class Daemon:
             vocab_size=0,
             max_model_len=config.model.max_model_len,
             tiers=tuple(config.tiers),
-            metrics=Metrics(lambda: self.runtime),
+            metrics=Metrics(lambda: self.runtime, self.status),
             keys={
                 t.api_key_sha256: TenantAccess(t.name, t.tier or config.tiers[0])
                 for t in config.tenants
             },
+            status=self.status,
             log_prompts=config.server.log_prompts,
             queue_timeout=config.server.queue_timeout,
-            status="loading",
         )
         self.store = StateStore(config.path(config.server.state_file))
         self.admin_socket = config.path(config.server.admin_socket)
-        self.admin = Admin(config, self.state, self.store, describe_device)
+        self.admin = Admin(config, self.state, self.store, describe_device or _jax_device)
+        self.http_app = create_app(self.state, max_body=body_limit(config))
         self._stop = trio.Event()  # first signal: drain, then stop
         self._http_stopped = trio.Event()  # hypercorn's shutdown trigger
         self._load_scope = trio.CancelScope()
@@ -172,7 +204,22 @@ class Daemon:
         armed = faults.arm_from_environment()
         if armed is not None:
             log.warning("lifecycle.faults_armed", faults=str(armed), reason="KVD_TESTING=1")
-        saved = self.store.load()  # a corrupt state file stops the start here
+        saved = self.restore()
+        try:
+            await self._serve(saved)
+        except BaseException:
+            # Whatever went wrong, the process must end: a task that ignores
+            # cancellation must not keep a listener open that nobody serves.
+            self._arm_exit_deadline(FAILED_EXIT_DEADLINE_S, EXIT_FAILED, "an unexpected error")
+            raise
+        self.admin_socket.unlink(missing_ok=True)
+        self._report_stopped()
+        return EXIT_FAILED if self.failure is not None else 0
+
+    def restore(self) -> LiveState | None:
+        """The persisted admin state and failure record, if any (a corrupt
+        state file stops the start here: StateError)."""
+        saved = self.store.load()
         failures = self.store.load_failures()
         if failures is not None:
             self.admin.failures = msgspec.to_builtins(failures)
@@ -197,16 +244,7 @@ class Daemon:
                 if differs
                 else None,
             )
-        try:
-            await self._serve(saved)
-        except BaseException:
-            # Whatever went wrong, the process must end: a task that ignores
-            # cancellation must not keep a listener open that nobody serves.
-            self._arm_exit_deadline(FAILED_EXIT_DEADLINE_S, EXIT_FAILED, "an unexpected error")
-            raise
-        self.admin_socket.unlink(missing_ok=True)
-        self._report_stopped()
-        return EXIT_FAILED if self.failure is not None else 0
+        return saved
 
     async def _serve(self, saved: Any) -> None:
         async with trio.open_nursery() as nursery:  # signals, watchdog, the engine task
@@ -215,8 +253,7 @@ class Daemon:
             async with trio.open_nursery() as http:
                 await self._start_http(http)
                 await self._start_admin(http)
-                self.state.status = "loading"
-                self.state.detail = "loading the model"
+                self.status.loading("loading the model")
                 systemd.notify("STATUS=loading the model and compiling")
                 loaded = None
                 with self._load_scope:
@@ -224,10 +261,10 @@ class Daemon:
                         lambda: self._load(saved), abandon_on_cancel=True
                     )
                 if loaded is not None and not self._stop.is_set():
-                    self._go_live(nursery, loaded)
+                    self.go_live(nursery, loaded)
                     await self._stop.wait()
                     if self.failure is None:
-                        await self._drain()
+                        await self.drain()
                     else:
                         await self._let_answers_out()
                 else:
@@ -241,11 +278,11 @@ class Daemon:
         hconfig.accesslog = None
         hconfig.graceful_timeout = 1.0  # the drain has already waited for requests
         hconfig.keep_alive_timeout = 30.0
-        app = create_app(self.state, max_body=body_limit(self.config))
 
         async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
             await hypercorn_serve(
-                app, hconfig, shutdown_trigger=self._http_stopped.wait, task_status=task_status
+                self.http_app,
+                hconfig, shutdown_trigger=self._http_stopped.wait, task_status=task_status
             )
 
         bound = await nursery.start(serve)
@@ -334,13 +371,13 @@ class Daemon:
         )
 
     def _load(self, saved: Any) -> Loaded:
-        """``load``, with the failures a start expects passed on as they are,
-        and any other (the device failing its first steps, say) as an
+        """The loader, with the failures a start expects passed on as they
+        are, and any other (the device failing its first steps, say) as an
         EngineError: one line for the operator, the traceback in the log."""
         from kvd.engine.engine import EngineError
 
         try:
-            return load(self.config, self._progress, saved)
+            return self.loader(self.config, self._progress, saved)
         except Exception as exc:
             if _expected_startup_failure(exc):
                 raise
@@ -350,16 +387,22 @@ class Daemon:
     def _progress(self, event: str, fields: dict[str, Any]) -> None:
         """Loading progress: logged, and what ``/ready`` and kvctl say meanwhile."""
         log.info(event, **fields)
-        self.state.detail = " ".join(
-            [event, *(f"{k}={v}" for k, v in fields.items() if not isinstance(v, dict | list))]
+        self.status.loading(
+            " ".join(
+                [event, *(f"{k}={v}" for k, v in fields.items() if not isinstance(v, dict | list))]
+            )
         )
 
-    def _go_live(self, nursery: trio.Nursery, loaded: Loaded) -> None:
+    def go_live(self, nursery: trio.Nursery, loaded: Loaded) -> None:
+        """Serve ``loaded``: the engine task starts in ``nursery`` and the
+        daemon turns ready (unless a stop came first)."""
         runtime = Runtime(
             loaded.scheduler,
             step_log_interval=self.config.server.step_log_interval,
             max_in_flight=self.config.server.max_in_flight,
             step_timeout=self.config.server.step_timeout,
+            step_in_thread=self.step_in_thread,
+            clock=self.clock,
         )
         self.runtime = runtime
         state = self.state
@@ -374,12 +417,10 @@ class Daemon:
                 for t in loaded.live.tenants
             }
         )
-        state.tokenizer = loaded.model.tokenizer
-        state.vocab_size = loaded.model.config.vocab_size
+        state.tokenizer = loaded.tokenizer
+        state.vocab_size = loaded.vocab_size
         nursery.start_soon(self._run_engine, runtime)
-        state.ready = True
-        state.status = "ready"
-        state.detail = None
+        self.status.ready()
         tenants = {
             t.name: {"reservation_pages": t.reservation_pages, "cap_pages": t.cap_pages}
             for t in loaded.scheduler.tenants.values()
@@ -402,12 +443,8 @@ class Daemon:
         """The engine failed: say so everywhere at once, then stop (the
         requests in flight have already been answered by the runtime)."""
         self.failure = cause
-        state = self.state
-        state.ready = False
-        state.status = "failed"
-        state.detail = cause
-        self.admin.shutting_down = True
-        state.metrics.engine_failures.inc()
+        self.status.fail(cause)
+        self.state.metrics.engine_failures.inc()
         self._arm_exit_deadline(FAILED_EXIT_DEADLINE_S, EXIT_FAILED, "the engine failed")
         systemd.notify("STOPPING=1", f"STATUS=failed: {cause}"[:512])
         log.error(
@@ -451,15 +488,19 @@ class Daemon:
                     continue
                 log.info("lifecycle.signal", signal=name)
                 self._arm_hard_deadline()
-                self.state.status = "draining"
-                self.admin.shutting_down = True
-                systemd.notify("STOPPING=1", "STATUS=draining")
-                if self.runtime is not None:
-                    self.runtime.draining = True
-                self._load_scope.cancel()  # a no-op once loaded
-                self._stop.set()
+                self.stop()
 
-    async def _drain(self) -> None:
+    def stop(self) -> None:
+        """Drain and stop (a signal's effect): new requests are refused, the
+        requests in flight have ``drain_timeout`` to finish."""
+        self.status.stop()
+        systemd.notify("STOPPING=1", "STATUS=draining")
+        self._load_scope.cancel()  # a no-op once loaded
+        self._stop.set()
+
+    async def drain(self) -> None:
+        """Wait up to ``drain_timeout`` for the requests in flight, abort
+        what is left (its pages released), and say whether the pool is whole."""
         runtime = self.runtime
         assert runtime is not None
         timeout = self.config.server.drain_timeout
@@ -514,7 +555,7 @@ class Daemon:
         log.info("lifecycle.stopped", **fields)
 
 
-def describe_device() -> str:
+def _jax_device() -> str:
     import jax
 
     device = jax.devices()[0]
@@ -547,9 +588,9 @@ def startup_failure(exc: BaseException) -> str | None:
 
 
 def _expected_startup_failure(exc: BaseException) -> bool:
-    from kvd.engine.engine import EngineError
     from kvd.engine.loader import ModelLoadError
     from kvd.kv.ledger import BudgetError
+    from kvd.engine.engine import EngineError
 
     return isinstance(
         exc,

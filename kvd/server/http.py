@@ -2,9 +2,11 @@
 streaming or not, plus health, readiness and Prometheus metrics.
 
 A handler authenticates the bearer key, validates the body, submits to the
-engine task and relays tokens as text. Whatever ends a handler (success,
-error, a client hanging up) cancels its request in ``finally``, so no
-request outlives its client. Nothing a handler says names another tenant.
+engine task and relays tokens as text (kvd/server/responses.py). Each
+request's relay belongs to its HTTP exchange: whatever ends the exchange
+(the body sent, an error, a client hanging up before or while its body is
+sent) closes the relay, which cancels the request, so no request outlives
+its client. Nothing a handler says names another tenant.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -24,19 +26,14 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from kvd import faults
-from kvd.engine.tokenizer import Tokenizer
-from kvd.sched.scheduler import Rejection, StepEvent
+from kvd.sched.scheduler import Rejection
 from kvd.server.api import ApiError, ChatRequest, CompletionRequest, Prepared, decode_body, prepare
 from kvd.server.config import key_digest
 from kvd.server.metrics import CONTENT_TYPE, Metrics
-from kvd.server.runtime import (
-    ENGINE_FAILED,
-    Runtime,
-    Ticket,
-    failed_message,
-    waiting_batches,
-)
-from kvd.server.textstream import TextStream
+from kvd.server.responses import Relay, engine_failed
+from kvd.server.runtime import Runtime
+from kvd.server.serving import ServerState, TenantAccess
+from kvd.server.status import Status
 
 log = structlog.get_logger("kvd")
 
@@ -45,32 +42,31 @@ _BIG_PROMPT_CHARS = 16_384  # tokenized in a worker thread, off the event loop
 _encoder = msgspec.json.Encoder()
 
 
-@dataclass
-class TenantAccess:
-    name: str
-    tier: str  # the most important tier it may use
+# The closers of the relays made during the current HTTP exchange (see KvdApp).
+_exchange: ContextVar[list[Callable[[], None]]] = ContextVar("kvd_exchange")
 
 
-@dataclass
-class ServerState:
-    runtime: Runtime | None  # None until the model is loaded (ready)
-    tokenizer: Tokenizer | None
-    model_name: str
-    vocab_size: int
-    max_model_len: int
-    tiers: tuple[str, ...]
-    metrics: Metrics
-    keys: dict[str, TenantAccess]  # SHA-256 hex of the bearer key -> tenant
-    log_prompts: bool = False
-    ready: bool = False
-    status: str = "starting"  # loading, ready, draining, failed
-    detail: str | None = None  # what loading is doing, or why it failed
-    queue_timeout: float | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
+class KvdApp(QuartTrio):
+    """A QuartTrio app whose HTTP exchanges own what their handlers start.
 
+    Quart drops a response whose client left before its body was iterated
+    (the exchange is cancelled between the handler's return and the send),
+    and an async generator never started runs no ``finally``: so what must
+    end with the exchange is registered with it and ended here, whichever
+    way the exchange ends."""
 
-def engine_failed(cause: str | None) -> ApiError:
-    return ApiError(503, failed_message(cause), code=ENGINE_FAILED, retry_after=5)
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        closers: list[Callable[[], None]] = []
+        token = _exchange.set(closers)
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            _exchange.reset(token)
+            for close in closers:
+                close()
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -99,7 +95,7 @@ def create_metrics_app(metrics: Metrics) -> QuartTrio:
 
 
 def create_app(state: ServerState, *, max_body: int) -> QuartTrio:
-    app = QuartTrio("kvd")
+    app = KvdApp("kvd")
     app.config["MAX_CONTENT_LENGTH"] = max_body
     # A long non-streamed completion on a slow device outlives Quart's default
     # 60 s response timeout, which would cut it silently.
@@ -139,9 +135,10 @@ def create_app(state: ServerState, *, max_body: int) -> QuartTrio:
 
     @app.get("/ready")
     async def ready() -> Response:
-        if not state.ready or state.status != "ready":
-            return _json({"status": state.status, "reason": state.detail}, 503)
-        return _json({"status": "ready"})
+        status = state.status
+        if not status.serving:
+            return _json({"status": str(status), "reason": status.detail}, 503)
+        return _json({"status": str(status)})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -164,6 +161,18 @@ def create_app(state: ServerState, *, max_body: int) -> QuartTrio:
         return await _infer(state, ChatRequest)
 
     return app
+
+
+def _check_serving(state: ServerState) -> Runtime:
+    """The runtime, if the daemon takes requests now; else the 503 saying why."""
+    status = state.status
+    if status.status is Status.FAILED:
+        raise engine_failed(status.detail)
+    if status.status is Status.DRAINING:
+        raise ApiError(503, "the server is shutting down", code="draining", retry_after=5)
+    if state.runtime is None or not status.serving:
+        raise ApiError(503, "the model is still loading", code="loading", retry_after=5)
+    return state.runtime
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -224,13 +233,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
     reply_id = client_id if _CLIENT_ID.fullmatch(client_id) else request_id
     try:
         access = _authenticate(state)
-        runtime = state.runtime
-        if state.status == "failed":
-            raise engine_failed(state.detail)
-        if state.status == "draining":
-            raise ApiError(503, "the server is shutting down", code="draining", retry_after=5)
-        if runtime is None or not state.ready:
-            raise ApiError(503, "the model is still loading", code="loading", retry_after=5)
+        _check_serving(state)
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         decoded = decode_body(body, kind)
@@ -244,6 +247,9 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
             )
         prepared = await _prepare(state, decoded, len(body), request_id, access.name)
         tier = _resolve_tier(state, access, decoded.priority)
+        # Again: a drain may have begun while the body was read and tokenized
+        # (from here to the request's being in flight nothing waits).
+        runtime = _check_serving(state)
         try:
             ticket = await runtime.submit(
                 access.name,
@@ -275,6 +281,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
     except BaseException:
         runtime.cancel(ticket)  # no reader would ever end it
         raise
+    _exchange.get().append(relay.close)
     start_fields: dict[str, Any] = {}
     if state.log_prompts:
         start_fields["prompt"] = relay.tokenizer.decode(prepared.prompt)
@@ -324,291 +331,3 @@ async def _prepare(
     if size > _BIG_PROMPT_CHARS:
         return await trio.to_thread.run_sync(run)
     return run()
-
-
-_UNFINISHED = ("abort", "deadline", "error", ENGINE_FAILED)  # an error body, no [DONE]
-
-
-class Relay:
-    """One request's tokens on their way to its client."""
-
-    _closed = True  # until built: a relay whose __init__ failed has nothing to end
-
-    def __init__(
-        self,
-        state: ServerState,
-        tenant: str,
-        ticket: Ticket,
-        prepared: Prepared,
-        arrival: float,
-        chat: bool,
-    ) -> None:
-        self.state = state
-        self.tenant = tenant
-        self.ticket = ticket
-        self.prepared = prepared
-        self.arrival = arrival
-        self.chat = chat
-        assert state.runtime is not None and state.tokenizer is not None
-        self.runtime = state.runtime
-        self.tokenizer = state.tokenizer
-        self.text = TextStream(state.tokenizer, prepared.params.stop)
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.finish_reason: str | None = None
-        self.failure: str | None = None  # why it ended with an error
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.created = int(time.time())
-        self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.request_id
-        self._closed = False
-
-    # -- tokens --------------------------------------------------------------------
-
-    async def deltas(self) -> AsyncIterator[tuple[str, int, str | None]]:
-        """(new text, how many new tokens, finish reason or None), as they
-        come: every token waiting when the reader wakes is taken at once, so
-        a client that reads slower than the engine steps gets fewer, larger
-        chunks, not a backlog of one-token ones."""
-        async for batch in waiting_batches(self.ticket.events):
-            ended = batch[-1] if batch[-1].token is None else None
-            tokens = batch[:-1] if ended is not None else batch
-            if tokens:
-                try:
-                    delta, count, finish = self._take(tokens)
-                except Exception as exc:  # noqa: BLE001  # this request's own fault: it alone ends
-                    self.finish_reason = "error"
-                    self.failure = f"turning its tokens into text failed: {exc!r}"
-                    log.warning(
-                        "request.failed",
-                        request_id=self.ticket.request_id,
-                        tenant=self.tenant,
-                        error=self.failure,
-                    )
-                    yield "", 0, "error"
-                    return
-                yield delta, count, finish
-                if finish is not None:
-                    return
-            if ended is not None:  # ended without a token: abort, deadline, failure, cancel
-                self.finish_reason = ended.finish_reason
-                self.failure = ended.detail
-                yield ("" if ended.detail else self.text.flush()), 0, self.finish_reason
-                return
-
-    def _take(self, events: list[StepEvent]) -> tuple[str, int, str | None]:
-        """Text for a run of token events, and the finish reason if they end it."""
-        if faults.fire("detokenize") == "raise":
-            raise faults.InjectedFault("injected: detokenizing failed")
-        now = time.monotonic()
-        if self.first_token_at is None:
-            self.first_token_at = now
-        self.last_token_at = now
-        last = events[-1]
-        finish = last.finish_reason if last.finished else None
-        if self.text.has_stops:
-            # One at a time: the token that completes a stop string is the last.
-            parts = []
-            for taken, event in enumerate(events, 1):
-                parts.append(self.text.push(event.token))  # type: ignore[arg-type]
-                if self.text.stopped:  # a stop string: the rest is not wanted
-                    self.runtime.cancel(self.ticket)
-                    events, finish = events[:taken], "stop"
-                    break
-            delta = "".join(parts)
-        else:
-            delta = self.text.push_many([e.token for e in events])  # type: ignore[misc]
-        self.tokens.extend(e.token for e in events)  # type: ignore[misc]
-        self.logprobs.extend(e.logprob for e in events)
-        if finish is not None:
-            self.finish_reason = finish
-            delta += self.text.flush()  # nothing after a stop string
-        return delta, len(events), finish
-
-    # -- bodies ----------------------------------------------------------------------
-
-    def usage(self) -> dict[str, Any]:
-        request = self.ticket.request
-        cached = request.cached_tokens if request is not None else 0
-        prompt = len(self.prepared.prompt)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": len(self.tokens),
-            "total_tokens": prompt + len(self.tokens),
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    def _logprobs(self, start: int, text_offset: int) -> dict[str, Any] | None:
-        if not self.prepared.params.logprobs:
-            return None
-        tokenizer = self.tokenizer
-        ids, values = self.tokens[start:], self.logprobs[start:]
-        pieces = [tokenizer.decode([t], skip_special=False) for t in ids]
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": piece,
-                        "logprob": value,
-                        "bytes": list(piece.encode()),
-                        "top_logprobs": [],
-                    }
-                    for piece, value in zip(pieces, values, strict=True)
-                ]
-            }
-        offsets, at = [], text_offset
-        for piece in pieces:
-            offsets.append(at)
-            at += len(piece)
-        return {
-            "tokens": pieces,
-            "token_logprobs": values,
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
-
-    async def collect(self) -> dict[str, Any]:
-        parts: list[str] = []
-        try:
-            async for delta, _, _ in self.deltas():
-                parts.append(delta)
-        finally:
-            self._close()
-        self._raise_if_unfinished()
-        text = "".join(parts)
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(0, 0),
-                "finish_reason": self.finish_reason,
-            }
-            kind = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": self._logprobs(0, 0),
-                "finish_reason": self.finish_reason,
-            }
-            kind = "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": [choice],
-            "usage": self.usage(),
-        }
-
-    def _raise_if_unfinished(self) -> None:
-        if self.finish_reason == ENGINE_FAILED:
-            raise engine_failed(self.failure)
-        if self.finish_reason == "error":
-            raise ApiError(500, f"this request failed: {self.failure}", code="request_failed")
-        if self.finish_reason == "abort":
-            raise ApiError(
-                503,
-                "the server shut down before the request finished",
-                code="aborted",
-                retry_after=5,
-            )
-        if self.finish_reason == "deadline":
-            raise ApiError(
-                503,
-                "the request waited too long in the queue and was dropped",
-                code="queue_timeout",
-                retry_after=1,
-            )
-
-    async def sse(self) -> AsyncIterator[bytes]:
-        sent_text = 0
-        try:
-            if self.chat:
-                yield self._event(self._chunk({"role": "assistant", "content": ""}, None, None))
-            async for delta, count, finish in self.deltas():
-                if finish in _UNFINISHED:
-                    try:
-                        self._raise_if_unfinished()
-                    except ApiError as exc:
-                        yield self._event(exc.body())
-                    return
-                start = len(self.tokens) - count
-                logprobs = self._logprobs(start, sent_text) if count else None
-                if not delta and finish is None and logprobs is None:
-                    continue  # nothing a client could use (held-back or empty text)
-                payload = {"content": delta} if self.chat else delta
-                yield self._event(self._chunk(payload, finish, logprobs))
-                sent_text += len(delta)
-            if self.prepared.include_usage:
-                yield self._event(self._usage_chunk())
-            yield b"data: [DONE]\n\n"
-        finally:
-            self._close()
-
-    def _chunk(self, payload: Any, finish: str | None, logprobs: Any) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "delta": payload, "logprobs": logprobs, "finish_reason": finish}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": payload, "logprobs": logprobs, "finish_reason": finish}
-            kind = "text_completion"
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": [choice],
-        }
-        if self.prepared.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def _usage_chunk(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": [],
-            "usage": self.usage(),
-        }
-
-    @staticmethod
-    def _event(body: Any) -> bytes:
-        return b"data: " + _encoder.encode(body) + b"\n\n"
-
-    def __del__(self) -> None:
-        # A client that left before the body was first iterated: the stream's
-        # finally never ran, so the request is ended when the relay is
-        # dropped. The collector may run on any thread (a step's worker, say):
-        # the close is handed to the event loop's thread.
-        if not self._closed:
-            self.runtime.run_soon(self._close)
-
-    def _close(self) -> None:
-        """Runs however the relay ends: cancels the request if it is still live."""
-        if self._closed:
-            return
-        self._closed = True
-        self.runtime.cancel(self.ticket)
-        outcome = self.finish_reason or "disconnected"
-        self.state.metrics.outcomes.labels(self.tenant, outcome).inc()
-        now = time.monotonic()
-        fields: dict[str, Any] = {}
-        if self.state.log_prompts:
-            fields["completion"] = self.tokenizer.decode(self.tokens)
-        log.info(
-            "request.finish",
-            request_id=self.ticket.request_id,
-            tenant=self.tenant,
-            outcome=outcome,
-            prompt_tokens=len(self.prepared.prompt),
-            completion_tokens=len(self.tokens),
-            cached_tokens=self.usage()["prompt_tokens_details"]["cached_tokens"],
-            ttft_s=None
-            if self.first_token_at is None
-            else round(self.first_token_at - self.arrival, 4),
-            duration_s=round(now - self.arrival, 4),
-            **fields,
-        )

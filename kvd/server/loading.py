@@ -1,33 +1,22 @@
 """Before serving: the model loaded, the pool sized, the scheduler built with
-the configured (or persisted) tenants and prefixes, every shape compiled and
-the cost model calibrated. The daemon runs ``load`` in a worker thread; the
-admin API turns tenant entries into scheduler terms with ``tenant_config``."""
+the configured (or persisted) tenants and prefixes (kvd/server/scheduling.py),
+every shape compiled and the cost model calibrated. The daemon runs ``load``
+in a worker thread."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
 from kvd.kv.layout import build_layout
-from kvd.sched.ratelimit import RateLimits
-from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
-from kvd.server.config import Config, ConfigError, pages_of, read_token_file
-from kvd.server.state import LiveState, PrefixTokens, from_config
+from kvd.server.config import Config, ConfigError
+from kvd.server.scheduling import Loaded, build_scheduler, config_prefixes
+from kvd.server.state import LiveState, from_config
 from kvd.units import parse_size
-
-
-@dataclass
-class Loaded:
-    scheduler: Scheduler
-    model: LoadedModel
-    pool_pages: int
-    page_bytes: int
-    live: LiveState  # what the admin API changes, as applied
 
 
 # On a CPU the pool shares RAM with everything else on the host: "auto" takes
@@ -171,30 +160,14 @@ def load(
         "lifecycle.pool",
         {"pages": pool_pages, "page_bytes": page_bytes, "tokens_per_group": pool_tokens},
     )
-    live = saved or from_config(config, config_prefixes(config, model))
+    live = saved or from_config(
+        config, config_prefixes(config, model.tokenizer, model.config.vocab_size)
+    )
     if saved is not None:
         progress("lifecycle.state_restored", {"tenants": [t.name for t in saved.tenants]})
-    scheduler = Scheduler(
-        engine,
-        SchedulerConfig(
-            tiers=tuple(config.tiers),
-            mode=live.mode,
-            policy=live.policy,
-            preemption=config.budget.preemption,
-            target_step_ms=config.scheduler.target_step_ms,
-            swap_pages=swap_space_pages(config, page_bytes),
-            host_pages=host_tier_pages(config, page_bytes),
-        ),
-    )
     # Budgets and prefixes are checked against the real pool before the long
     # warm-up, so a configuration the pool cannot honour fails in seconds.
-    for prefix in live.prefixes:
-        try:
-            scheduler.kv.add_public_prefix(prefix.name, prefix.tokens)
-        except ValueError as exc:
-            raise ConfigError(f"prefixes.{prefix.name}: {exc}") from None
-    for entry in live.tenants:
-        scheduler.set_tenant(tenant_config(config, entry, page_bytes, pool_pages))
+    scheduler = build_scheduler(config, engine, live, page_bytes)
     last = [0.0]
 
     def warm(done: int, total: int, what: str) -> None:
@@ -216,66 +189,6 @@ def load(
             "crossover_tokens": rates.crossover_tokens(),
         },
     )
-    return Loaded(scheduler, model, pool_pages, page_bytes, live)
-
-
-def swap_space_pages(config: Config, page_bytes: int) -> int:
-    """The host swap in pages, and the base of a tenant's ``swap`` share:
-    ``pool.host_size`` when a host tier is set (swap shares its budget),
-    else ``scheduler.swap_space``."""
-    return host_tier_pages(config, page_bytes) or (
-        parse_size(config.scheduler.swap_space) // page_bytes
+    return Loaded(
+        scheduler, model.tokenizer, model.config.vocab_size, pool_pages, page_bytes, live
     )
-
-
-def host_tier_pages(config: Config, page_bytes: int) -> int:
-    """``pool.host_size`` in pages: the host tier's budget, shared with swap
-    (0: no tier), and the base of a tenant's ``host_quota`` share."""
-    if config.pool.host_size.strip() == "0":
-        return 0
-    return parse_size(config.pool.host_size) // page_bytes
-
-
-def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) -> TenantConfig:
-    where = f"tenants.{entry.name}"
-    reservation = pages_of(f"{where}.reservation", entry.reservation, page_bytes, pool_pages)
-    cap = None
-    if entry.burst_cap is not None:
-        cap = pages_of(f"{where}.burst_cap", entry.burst_cap, page_bytes, pool_pages)
-    swap = None
-    if entry.swap is not None:
-        space = swap_space_pages(config, page_bytes)
-        swap = pages_of(f"{where}.swap", entry.swap, page_bytes, space)
-    host_quota = None
-    if entry.host_quota is not None:
-        tier = host_tier_pages(config, page_bytes)
-        host_quota = pages_of(f"{where}.host_quota", entry.host_quota, page_bytes, tier)
-    return TenantConfig(
-        name=entry.name,
-        reservation_pages=reservation,
-        cap_pages=cap,
-        tier=entry.tier or config.tiers[0],
-        weight=entry.weight,
-        limits=RateLimits(entry.requests_per_minute, entry.tokens_per_minute),
-        max_queue=entry.max_queue,
-        swap_pages=swap,
-        host_quota_pages=host_quota,
-    )
-
-
-def config_prefixes(config: Config, model: LoadedModel) -> list[PrefixTokens]:
-    """The config's public prefixes as token ids (text is tokenized like a prompt)."""
-    out = []
-    for prefix in config.prefixes:
-        if prefix.text is not None:
-            tokens = model.tokenizer.encode(prefix.text)
-        elif prefix.chat_system is not None:
-            tokens = model.tokenizer.chat_system_prefix(prefix.chat_system)
-        else:
-            assert prefix.token_file is not None
-            tokens = read_token_file(config.path(prefix.token_file))
-        vocab = model.config.vocab_size
-        if any(not 0 <= t < vocab for t in tokens):
-            raise ConfigError(f"prefixes.{prefix.name}: token ids outside the vocabulary")
-        out.append(PrefixTokens(prefix.name, tokens))
-    return out

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvd.server.runtime import Runtime
+from kvd.server.status import ServerStatus, Status
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -28,8 +29,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class SchedulerCollector(Collector):
     """Reads the runtime when scraped; nothing while the model is loading."""
 
-    def __init__(self, runtime: Callable[[], Runtime | None]) -> None:
+    def __init__(self, runtime: Callable[[], Runtime | None], status: ServerStatus) -> None:
         self.runtime = runtime
+        self.status = status
 
     def collect(self) -> Iterator[Any]:
         runtime = self.runtime()
@@ -51,7 +53,11 @@ class SchedulerCollector(Collector):
             ("kvd_requests_waiting", stats.waiting, "Requests in tenant queues"),
             ("kvd_requests_swapped", stats.swapped, "Requests swapped out to host memory"),
             ("kvd_requests_in_flight", runtime.in_flight, "Requests with a client"),
-            ("kvd_draining", int(runtime.draining), "1 while draining for shutdown"),
+            (
+                "kvd_draining",
+                int(self.status.status is Status.DRAINING),
+                "1 while draining (kvctl drain, or for shutdown)",
+            ),
         ):
             yield GaugeMetricFamily(name, text, value=value)
         yield CounterMetricFamily("kvd_engine_steps", "Scheduler steps run", value=stats.steps)
@@ -199,9 +205,9 @@ class TenantHistogram(Collector):
 
 
 class Metrics:
-    def __init__(self, runtime: Callable[[], Runtime | None]) -> None:
+    def __init__(self, runtime: Callable[[], Runtime | None], status: ServerStatus) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SchedulerCollector(runtime))
+        self.registry.register(SchedulerCollector(runtime, status))
         self.ttft = TenantHistogram(
             "kvd_time_to_first_token_seconds",
             "Arrival to the first token, when the engine hands it to the request's stream",

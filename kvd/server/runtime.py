@@ -4,14 +4,15 @@ HTTP handlers never touch the scheduler. They queue commands (submit,
 cancel) into an inbox; the engine task applies the inbox at each step
 boundary, then runs ``Scheduler.step`` in a worker thread (the event loop
 keeps serving while the device computes) and hands each request's tokens to
-its handler through a memory channel. So every change to scheduler state
+its handler through a memory channel, which closes when the request ends
+(its ticket then says how). So every change to scheduler state
 happens between steps, on one task, and a cancel (a client that went away)
 takes effect before the next step: its pages are released within one step.
 
 When the engine fails (a step raises or outlives ``step_timeout``, an
 invariant breaks), the device state is unknown and no later step can be
 trusted: ``run`` returns with ``failure`` set, after ending every request in
-flight with an ``engine_failed`` event and every queued command with its
+flight (closed with ``engine_failed``) and every queued command with its
 failure (a submit is refused, an admin call raises EngineFailed). From then
 on nothing waits on an engine task that is gone. A fault of one request's
 own (the scheduler's ``error`` events) ends that request alone.
@@ -19,7 +20,6 @@ own (the scheduler's ``error`` events) ends that request alone.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import uuid
@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import structlog
 import trio
 
-from kvd.engine.sampling import SamplingParams
+from kvd.engine.sampling_params import SamplingParams
 from kvd.sched.scheduler import Rejection, Request, Scheduler, SchedulerStats, StepEvent
 
 log = structlog.get_logger("kvd")
@@ -57,18 +57,22 @@ class StepTimeout(RuntimeError):
 
 @dataclass(eq=False)
 class Ticket:
-    """One request's handle, held by its HTTP handler."""
+    """One request's handle, held by its HTTP handler. Its tokens arrive on
+    ``events``; the channel closes when the request ends, however it ends,
+    and ``finish_reason`` (with ``detail``) then says how."""
 
     request_id: str
     tenant: str
     send: trio.MemorySendChannel[StepEvent]
     events: trio.MemoryReceiveChannel[StepEvent]
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float
     last_token_at: float | None = None  # when the engine handed over its last token
     accepted: trio.Event = field(default_factory=trio.Event)
     rejection: Rejection | None = None
     request: Request | None = None
     finished: bool = False
+    finish_reason: str | None = None  # None once closed: cancelled by its handler
+    detail: str | None = None  # why it failed, for its client
 
 
 @dataclass
@@ -90,15 +94,21 @@ class Runtime:
         step_log_interval: float = 10.0,
         max_in_flight: int = 4096,
         step_timeout: float = 20.0,
+        step_in_thread: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
+        # A device step runs in a worker thread so the event loop keeps
+        # serving; a simulated one (microseconds) may run inline, which lets
+        # tests drive the whole runtime on trio's MockClock.
+        self.step_in_thread = step_in_thread
+        self.clock = clock
         self.max_in_flight = max_in_flight
         self.step_timeout = step_timeout
         self.failure: str | None = None  # why the engine failed, once it has
         self.copy_failures: dict[str, int] = {}  # device-to-host copies recovered from, by kind
-        self.heartbeat = time.monotonic()  # the engine task's last sign of life
+        self.heartbeat = clock()  # the engine task's last sign of life
         self.step_log_interval = step_log_interval
-        self.draining = False
         self.snapshot: SchedulerStats = scheduler.stats()
         self._snapshot_at = 0.0
         # Commands, each with what to do instead if the engine fails first.
@@ -107,10 +117,9 @@ class Runtime:
         self._live: dict[str, Ticket] = {}
         self._idle = trio.Event()
         self._idle.set()
-        self._totals = StepTotals()
+        self._totals = StepTotals(since=clock())
         # Called per tenant and step with its (time to first token, inter-token) values.
         self.latency_sink: Callable[[str, list[float], list[float]], None] | None = None
-        self._trio_token = trio.lowlevel.current_trio_token()
         # The step's own worker: never queued behind other threads (tokenizing,
         # state file writes), whose wait would count against step_timeout.
         self._step_thread = trio.CapacityLimiter(1)
@@ -134,11 +143,9 @@ class Runtime:
         arrival: float | None = None,
     ) -> Ticket:
         """Queue a request; returns its ticket once admitted to a queue, or
-        raises Rejection (the scheduler's, or 503 while draining or failed)."""
+        raises Rejection (the scheduler's, or 503 when failed or full)."""
         if self.failure is not None:
             raise self._failed_rejection()
-        if self.draining:
-            raise Rejection(503, "draining", "the server is draining", retry_after=5.0)
         if len(self._live) >= self.max_in_flight:
             raise Rejection(
                 503,
@@ -147,9 +154,7 @@ class Runtime:
                 retry_after=2.0,
             )
         send, receive = trio.open_memory_channel[StepEvent](math.inf)
-        ticket = Ticket(
-            request_id or uuid.uuid4().hex, tenant, send, receive, arrival or time.monotonic()
-        )
+        ticket = Ticket(request_id or uuid.uuid4().hex, tenant, send, receive, arrival or self.clock())
         self._live[ticket.request_id] = ticket
         self._idle = trio.Event() if self._idle.is_set() else self._idle
 
@@ -169,12 +174,12 @@ class Runtime:
                 )
             except Rejection as exc:
                 ticket.rejection = exc
-                self._forget(ticket)
+                self._end(ticket, None)
             ticket.accepted.set()
 
         def refuse() -> None:
             ticket.rejection = self._failed_rejection()
-            self._forget(ticket)
+            self._end(ticket, None)
             ticket.accepted.set()
 
         self._post(apply, refuse)
@@ -191,26 +196,11 @@ class Runtime:
         """Stop a request (idempotent); its pages go back at the next step boundary."""
         if ticket.finished:
             return
-        self._forget(ticket)
+        self._end(ticket, None)
         self._post(lambda: self.scheduler.cancel(ticket.request_id))
 
     def _failed_rejection(self) -> Rejection:
         return Rejection(503, ENGINE_FAILED, failed_message(self.failure), retry_after=5.0)
-
-    def run_soon(self, fn: Callable[[], object]) -> None:
-        """Run ``fn`` on the event loop's thread soon; callable from any
-        thread, a garbage collector's ``__del__`` included. Dropped once the
-        loop has ended (nothing is left to clean up then)."""
-
-        def guarded() -> None:
-            # An exception in a callback would end the event loop: log it instead.
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001
-                log.error("runtime.callback_failed", error=repr(exc))
-
-        with contextlib.suppress(trio.RunFinishedError):
-            self._trio_token.run_sync_soon(guarded)
 
     async def wait_idle(self) -> None:
         """Until no request is in flight."""
@@ -220,8 +210,8 @@ class Runtime:
         """End every request now (the drain timeout passed); returns how many."""
         tickets = list(self._live.values())
         for ticket in tickets:
-            ticket.send.send_nowait(StepEvent(ticket.request_id, None, 0.0, True, "abort"))
-            self.cancel(ticket)
+            self._end(ticket, "abort")
+            self._post(lambda ticket=ticket: self.scheduler.cancel(ticket.request_id))
             ticket.accepted.set()
         return len(tickets)
 
@@ -256,8 +246,14 @@ class Runtime:
         self._post(done.set, done.set)
         await done.wait()
 
-    def _forget(self, ticket: Ticket) -> None:
+    def _end(self, ticket: Ticket, reason: str | None, detail: str | None = None) -> None:
+        """The request is over: its stream closes (its reader sees the end
+        and ``finish_reason``), and it no longer counts as in flight."""
+        if ticket.finished:
+            return
         ticket.finished = True
+        ticket.finish_reason, ticket.detail = reason, detail
+        ticket.send.close()
         self._live.pop(ticket.request_id, None)
         if not self._live:
             self._idle.set()
@@ -292,16 +288,15 @@ class Runtime:
             if instead is not None:
                 instead()
         for ticket in list(self._live.values()):
-            ticket.send.send_nowait(
-                StepEvent(ticket.request_id, None, 0.0, True, ENGINE_FAILED, self.failure)
-            )
-            self._forget(ticket)
+            self._end(ticket, ENGINE_FAILED, self.failure)
             ticket.accepted.set()
 
     async def _step(self) -> list[StepEvent]:
         """One scheduler step in a worker thread. Shielded: a shutdown waits
         for the step in progress (it owns the scheduler until it returns);
         only ``step_timeout`` gives up on it, and then the engine has failed."""
+        if not self.step_in_thread:
+            return self.scheduler.step()
         with trio.CancelScope(shield=True), trio.move_on_after(self.step_timeout) as timer:
             return await trio.to_thread.run_sync(
                 self.scheduler.step, abandon_on_cancel=True, limiter=self._step_thread
@@ -312,21 +307,21 @@ class Runtime:
         )
 
     async def _serve(self) -> None:
-        scheduler = self.scheduler
+        scheduler, clock = self.scheduler, self.clock
         while True:
-            self.heartbeat = time.monotonic()
+            self.heartbeat = clock()
             self._wake = trio.Event()
             while self._inbox:
                 self._inbox.popleft()[0]()
             if not scheduler.has_work():
-                self._refresh(time.monotonic(), force=True)
+                self._refresh(clock(), force=True)
                 with trio.move_on_after(IDLE_POLL_S):
                     await self._wake.wait()
                 continue
-            started = time.monotonic()
+            started = clock()
             events = await self._step()
-            now = time.monotonic()
-            self._dispatch(events)
+            now = clock()
+            self._dispatch(events, now)
             self._log_preemptions()
             if scheduler.stalled:
                 # Requests wait for pages or budget that only a change (an
@@ -343,17 +338,16 @@ class Runtime:
             self._refresh(now)
             await trio.lowlevel.checkpoint()
 
-    def _dispatch(self, events: list[StepEvent]) -> None:
+    def _dispatch(self, events: list[StepEvent], now: float) -> None:
         live = self._live
-        now = time.monotonic()
         first: dict[str, list[float]] = {}
         gaps: dict[str, list[float]] = {}
         for event in events:
             ticket = live.get(event.request_id)
             if ticket is None:
                 continue  # its client is gone; the cancel is queued
-            ticket.send.send_nowait(event)
             if event.token is not None:
+                ticket.send.send_nowait(event)
                 last = ticket.last_token_at
                 if last is None:
                     first.setdefault(ticket.tenant, []).append(now - ticket.arrival)
@@ -361,7 +355,7 @@ class Runtime:
                     gaps.setdefault(ticket.tenant, []).append(now - last)
                 ticket.last_token_at = now
             if event.finished:
-                self._forget(ticket)
+                self._end(ticket, event.finish_reason, event.detail)
         sink = self.latency_sink
         if sink is not None:
             for tenant in first.keys() | gaps.keys():
@@ -424,7 +418,8 @@ async def waiting_batches(
     events: trio.MemoryReceiveChannel[StepEvent],
 ) -> AsyncIterator[list[StepEvent]]:
     """The events of a channel, every one waiting when the reader wakes as
-    one list: a reader slower than the engine catches up in one go."""
+    one list: a reader slower than the engine catches up in one go. It ends
+    when the channel has been closed (the request ended) and emptied."""
     while True:
         try:
             batch = [await events.receive()]

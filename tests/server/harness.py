@@ -1,0 +1,202 @@
+"""The daemon in-process: the real Daemon, HTTP app, admin app, runtime and
+scheduler, over the simulated executor (kvd/sched/simulated.py) and the
+embedded model's real tokenizer, called through the apps' test clients under
+pytest-trio. No JAX, no subprocess, no socket unless a test asks for one.
+
+Steps run inline on the event loop and every clock is trio's, so a test that
+takes a ``MockClock`` (``clock`` fixture) moves rate limits, queue deadlines
+and drain timeouts in virtual time. The simulated executor reaches the
+engine's fault points, so the fault matrix runs here as well.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+from quart.testing import QuartClient
+from quart.wrappers import Response
+
+from kvd.engine.loader import embedded_tokenizer, random_model_config
+from kvd.engine.tokenizer import Tokenizer
+from kvd.kv.layout import build_layout
+from kvd.sched.executor import ExecutorLimits
+from kvd.sched.simulated import SimulatedExecutor
+from kvd.server.admin import create_admin_app
+from kvd.server.config import Config, load_config
+from kvd.server.daemon import Daemon
+from kvd.server.scheduling import Loaded, build_scheduler, config_prefixes
+from kvd.server.state import LiveState, from_config
+from kvd.units import parse_size
+from tests.server.conftest import ALICE, write_config
+
+MODEL = "random"
+DEVICE = "simulated: SimulatedExecutor x1"
+
+
+@functools.cache
+def tokenizer() -> Tokenizer:
+    return embedded_tokenizer()
+
+
+def token_buckets(limit: int) -> tuple[int, ...]:
+    buckets, size = [], 2
+    while size < limit:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, limit)
+
+
+def simulated_loader(executors: list[SimulatedExecutor]) -> Callable[..., Loaded]:
+    """A loader for ``Daemon``: the config's pool, limits, tenants and
+    prefixes over a simulated executor of the tiny random model's KV
+    geometry (each one made is appended to ``executors``)."""
+
+    def load(
+        config: Config,
+        progress: Callable[[str, dict[str, Any]], None],
+        saved: LiveState | None,
+    ) -> Loaded:
+        cfg = config.model
+        progress("lifecycle.loading", {"source": "simulated", "dtype": cfg.dtype})
+        words = tokenizer()
+        vocab = words.vocab_size
+        shape = random_model_config(vocab, 32, max(cfg.max_model_len, 256))
+        layout = build_layout(shape.kv_geometry(cfg.kv_dtype or cfg.dtype), config.pool.block_size)
+        pool_tokens = layout.pool_tokens(parse_size(config.pool.size))
+        pages = pool_tokens // layout.block_size * layout.num_groups + 1
+        limits = ExecutorLimits(
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            vocab_size=vocab,
+            token_buckets=token_buckets(cfg.max_num_batched_tokens),
+        )
+        executor = SimulatedExecutor(layout, pages, limits, words.stop_ids())
+        executors.append(executor)
+        live = saved or from_config(config, config_prefixes(config, words, vocab))
+        scheduler = build_scheduler(config, executor, live, layout.page_bytes, clock=trio.current_time)
+        progress("lifecycle.calibrating", {"what": "the prefill and copy rates"})
+        scheduler.calibrate(repeats=1)
+        return Loaded(scheduler, words, vocab, pages - 1, layout.page_bytes, live)
+
+    return load
+
+
+@dataclass
+class Served:
+    """One in-process daemon and its two apps' test clients."""
+
+    daemon: Daemon
+    http: QuartClient
+    admin: QuartClient
+    executors: list[SimulatedExecutor]
+    config_path: Path
+    logs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def executor(self) -> SimulatedExecutor:
+        return self.executors[-1]
+
+    @property
+    def scheduler(self) -> Any:
+        assert self.daemon.runtime is not None
+        return self.daemon.runtime.scheduler
+
+    async def complete(self, key: str = ALICE, prompt: Any = "hello", **body: Any) -> Response:
+        payload = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0} | body
+        return await self.post("/v1/completions", payload, key)
+
+    async def chat(self, key: str = ALICE, **body: Any) -> Response:
+        return await self.post("/v1/chat/completions", {"model": MODEL} | body, key)
+
+    async def post(self, path: str, body: Any, key: str | None = ALICE, **kw: Any) -> Response:
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        headers |= kw.pop("headers", {})
+        data = body if isinstance(body, bytes | str) else json.dumps(body)
+        return await self.http.post(
+            path, data=data, headers=headers | {"Content-Type": "application/json"}, **kw
+        )
+
+    async def admin_json(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        kw: dict[str, Any] = {} if body is None else {"json": body}
+        response = await getattr(self.admin, method)(path, **kw)
+        return response.status_code, await response.get_json()
+
+    async def status(self) -> dict[str, Any]:
+        code, body = await self.admin_json("get", "/v1/status")
+        assert code == 200, body
+        return body  # type: ignore[no-any-return]
+
+    async def metrics(self) -> dict[str, float]:
+        text = (await (await self.admin.get("/metrics")).get_data()).decode()
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                values[key] = float(value)
+        return values
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.logs if e.get("event") == event]
+
+    async def settled(self) -> None:
+        """Until the engine task has applied every command posted so far
+        (the cancels of requests that ended, say)."""
+        assert self.daemon.runtime is not None
+        await self.daemon.runtime.settle()
+
+    async def assert_whole(self) -> None:
+        """No request in flight, no page referenced, every invariant kept."""
+        await self.settled()
+        runtime = self.daemon.runtime
+        assert runtime is not None and runtime.in_flight == 0
+        kv = runtime.scheduler.kv
+        assert kv.pool.num_referenced() == 0, kv.pool.num_referenced()
+        kv.check_invariants()
+
+
+@asynccontextmanager
+async def serving(
+    tmp_path: Path, *, config_path: Path | None = None, **values: Any
+) -> AsyncIterator[Served]:
+    """An in-process daemon, loaded and ready, for the ``async with`` body;
+    its engine task is stopped after. ``values`` fill the tiny config (see
+    conftest.write_config); ``config_path`` reuses a written one (a restart)."""
+    if config_path is None:
+        config_path = write_config(tmp_path / "kvd.toml", **values)
+    config = load_config(config_path)
+    executors: list[SimulatedExecutor] = []
+    daemon = Daemon(
+        config,
+        loader=simulated_loader(executors),
+        describe_device=lambda: DEVICE,
+        step_in_thread=False,
+        clock=trio.current_time,
+    )
+    with structlog.testing.capture_logs() as logs:
+        saved = daemon.restore()
+        loaded = daemon._load(saved)
+        async with trio.open_nursery() as nursery:
+            daemon.go_live(nursery, loaded)
+            served = Served(
+                daemon,
+                daemon.http_app.test_client(),
+                create_admin_app(daemon.admin).test_client(),
+                executors,
+                config_path,
+                logs,
+            )
+            try:
+                yield served
+            finally:
+                for executor in executors:
+                    executor.unhang.set()
+                nursery.cancel_scope.cancel()
