@@ -231,7 +231,7 @@ class Daemon:
                 last_cause=failures.last_cause,
             )
         if saved is not None:
-            differs = overridden(config, saved)
+            differs = overridden(self.config, saved)
             self.admin.restored = {"file": str(self.store.path), "overrides": differs}
             # The file wins over the config (it holds the admin changes made
             # live): an operator who edited the config must hear of it.

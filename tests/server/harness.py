@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import structlog
 import trio
 from quart.testing import QuartClient
-from quart.wrappers import Response
 
 from kvd.engine.loader import embedded_tokenizer, random_model_config
 from kvd.engine.tokenizer import Tokenizer
@@ -90,6 +92,23 @@ def simulated_loader(executors: list[SimulatedExecutor]) -> Callable[..., Loaded
     return load
 
 
+class Reply:
+    """An httpx response with the test client's reading methods."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.status_code = response.status_code
+        self.headers = response.headers
+
+    async def get_json(self) -> Any:
+        if not self.response.headers.get("content-type", "").startswith("application/json"):
+            return None  # an event stream
+        return self.response.json()
+
+    async def get_data(self) -> bytes:
+        return self.response.content
+
+
 @dataclass
 class Served:
     """One in-process daemon and its two apps' test clients."""
@@ -110,20 +129,29 @@ class Served:
         assert self.daemon.runtime is not None
         return self.daemon.runtime.scheduler
 
-    async def complete(self, key: str = ALICE, prompt: Any = "hello", **body: Any) -> Response:
+    async def complete(self, key: str = ALICE, prompt: Any = "hello", **body: Any) -> Reply:
         payload = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0} | body
         return await self.post("/v1/completions", payload, key)
 
-    async def chat(self, key: str = ALICE, **body: Any) -> Response:
+    async def chat(self, key: str = ALICE, **body: Any) -> Reply:
         return await self.post("/v1/chat/completions", {"model": MODEL} | body, key)
 
-    async def post(self, path: str, body: Any, key: str | None = ALICE, **kw: Any) -> Response:
+    async def post(self, path: str, body: Any, key: str | None = ALICE, **kw: Any) -> Reply:
+        """Over httpx's ASGI transport, which takes the body as it is sent
+        (quart's test client holds ten chunks, then stalls a long stream)."""
         headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
         headers |= kw.pop("headers", {})
         data = body if isinstance(body, bytes | str) else json.dumps(body)
-        return await self.http.post(
-            path, data=data, headers=headers | {"Content-Type": "application/json"}, **kw
-        )
+        transport = httpx.ASGITransport(app=self.daemon.http_app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd") as client:
+            response = await client.post(
+                path,
+                content=data,
+                headers=headers | {"Content-Type": "application/json"},
+                timeout=None,
+                **kw,
+            )
+        return Reply(response)
 
     async def admin_json(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         kw: dict[str, Any] = {} if body is None else {"json": body}
@@ -163,13 +191,26 @@ class Served:
         kv.check_invariants()
 
 
+async def kvctl(served: Served, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """The real kvctl, in a subprocess, on the daemon's admin socket (the
+    event loop keeps serving while it runs)."""
+    return await trio.run_process(
+        [sys.executable, "-m", "kvctl.cli", "--socket", str(served.daemon.admin_socket), *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+
+
 @asynccontextmanager
 async def serving(
-    tmp_path: Path, *, config_path: Path | None = None, **values: Any
+    tmp_path: Path, *, config_path: Path | None = None, admin_socket: bool = False, **values: Any
 ) -> AsyncIterator[Served]:
     """An in-process daemon, loaded and ready, for the ``async with`` body;
     its engine task is stopped after. ``values`` fill the tiny config (see
-    conftest.write_config); ``config_path`` reuses a written one (a restart)."""
+    conftest.write_config); ``config_path`` reuses a written one (a restart);
+    ``admin_socket`` serves the admin API on its real Unix socket as well,
+    kept bound as the daemon keeps it."""
     if config_path is None:
         config_path = write_config(tmp_path / "kvd.toml", **values)
     config = load_config(config_path)
@@ -185,6 +226,8 @@ async def serving(
         saved = daemon.restore()
         loaded = daemon._load(saved)
         async with trio.open_nursery() as nursery:
+            if admin_socket:
+                await daemon._start_admin(nursery)
             daemon.go_live(nursery, loaded)
             served = Served(
                 daemon,
@@ -199,4 +242,5 @@ async def serving(
             finally:
                 for executor in executors:
                     executor.unhang.set()
+                daemon._http_stopped.set()
                 nursery.cancel_scope.cancel()

@@ -1,10 +1,12 @@
-"""The OpenAI-compatible API of a real daemon (tiny random model), through the
-official openai client (sync and async) and raw HTTP."""
+"""The OpenAI-compatible API, in-process: the real HTTP app over the real
+runtime and scheduler on the simulated executor (tests/server/harness.py),
+through the official openai client (on an ASGI transport, no socket) and the
+app's test client."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -12,57 +14,73 @@ import openai
 import pytest
 import trio
 
-from tests.server.conftest import ALICE, BOB, CAROL, DaemonProcess
+from tests.server.conftest import ALICE, BOB, CAROL
+from tests.server.harness import MODEL, Served, serving
 
-MODEL = "random"
 LONG_PROMPT = " ".join(f"word{i}" for i in range(40))  # several 16-token blocks
 
 
-_CLIENTS: dict[tuple[str, str], openai.OpenAI] = {}
+@pytest.fixture
+async def served(tmp_path: Any) -> AsyncIterator[Served]:
+    async with serving(tmp_path) as daemon:
+        yield daemon
 
 
-def client(daemon: DaemonProcess, key: str = ALICE) -> openai.OpenAI:
-    """One client per key, closed with the module (their pools hold sockets)."""
-    made = _CLIENTS.get((daemon.url, key))
-    if made is None:
-        made = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key=key, max_retries=0)
-        _CLIENTS[(daemon.url, key)] = made
-    return made
+def client(served: Served, key: str = ALICE) -> openai.AsyncOpenAI:
+    transport = httpx.ASGITransport(app=served.daemon.http_app)
+    return openai.AsyncOpenAI(
+        base_url="http://kvd/v1",
+        api_key=key,
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=transport, base_url="http://kvd"),
+    )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    for made in _CLIENTS.values():
-        made.close()
-    _CLIENTS.clear()
+async def post(served: Served, path: str, body: Any, key: str | None = ALICE, **kw: Any) -> Any:
+    response = await served.post(path, body, key, **kw)
+    return response.status_code, await response.get_json(), response.headers
 
 
-def post(daemon: DaemonProcess, path: str, body: Any, key: str | None = ALICE, **kw: Any):
-    headers = kw.pop("headers", {})
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{daemon.url}{path}", content=content, headers=headers, timeout=60, **kw)
-
-
-def test_health_ready_models(tiny_daemon: DaemonProcess) -> None:
-    assert httpx.get(f"{tiny_daemon.url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{tiny_daemon.url}/ready").status_code == 200
-    models = client(tiny_daemon).models.list()
+async def test_health_ready_models(served: Served) -> None:
+    health = await served.http.get("/health")
+    assert await health.get_json() == {"status": "ok"}
+    assert (await served.http.get("/ready")).status_code == 200
+    oai = client(served)
+    models = await oai.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert client(tiny_daemon).models.retrieve(MODEL).id == MODEL
+    assert (await oai.models.retrieve(MODEL)).id == MODEL
+    missing = await served.http.get("/v1/models/gpt-4", headers={"Authorization": f"Bearer {ALICE}"})
+    assert missing.status_code == 404
+    assert (await served.http.get("/nowhere")).status_code == 404
+    assert (await served.http.get("/v1/completions")).status_code == 405
 
 
-def test_completion_and_stream_agree(tiny_daemon: DaemonProcess) -> None:
-    oai = client(tiny_daemon)
-    whole = oai.completions.create(model=MODEL, prompt="Hello there", max_tokens=12, temperature=0)
+async def text_of_stream(stream: Any, chat: bool = False) -> tuple[str, list[Any]]:
+    chunks = [chunk async for chunk in stream]
+    if chat:
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    return text, chunks
+
+
+# openai's AsyncStream leaves its inner async generators unexhausted after
+# [DONE]; trio reports each one when it is collected. That is the client's
+# wart, not the server's.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+async def test_completion_and_stream_agree(served: Served) -> None:
+    oai = client(served)
+    whole = await oai.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=12, temperature=0
+    )
     choice = whole.choices[0]
     assert choice.finish_reason == "length"
     assert whole.usage is not None and whole.usage.completion_tokens == 12
     assert whole.usage.prompt_tokens == 3
-    chunks = list(
-        oai.completions.create(
+    text, chunks = await text_of_stream(
+        await oai.completions.create(
             model=MODEL,
             prompt="Hello there",
             max_tokens=12,
@@ -71,106 +89,101 @@ def test_completion_and_stream_agree(tiny_daemon: DaemonProcess) -> None:
             stream_options={"include_usage": True},
         )
     )
-    text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    await served.assert_whole()
 
 
-def test_chat_and_stream_agree(tiny_daemon: DaemonProcess) -> None:
-    oai = client(tiny_daemon, BOB)
-    messages = [
+async def test_chat_and_stream_agree(served: Served) -> None:
+    oai = client(served, BOB)
+    messages: Any = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Name a colour."},
     ]
-    whole = oai.chat.completions.create(
+    whole = await oai.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=10, temperature=0
     )
     assert whole.choices[0].message.role == "assistant"
-    stream = oai.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+    text, chunks = await text_of_stream(
+        await oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+        ),
+        chat=True,
     )
-    chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
-# openai's AsyncStream leaves its inner async generators unexhausted after
-# [DONE]; trio reports each one when it is collected. That is the client's
-# wart, not the server's.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_async_client_under_trio(tiny_daemon: DaemonProcess) -> None:
-    async def main() -> list[str]:
-        oai = openai.AsyncOpenAI(base_url=f"{tiny_daemon.url}/v1", api_key=ALICE, max_retries=0)
-        results: list[str] = ["", "", ""]
+async def test_concurrent_streams_match_their_whole_answers(served: Served) -> None:
+    oai = client(served)
+    results = ["", "", ""]
 
-        async def one(i: int) -> None:
-            stream = await oai.completions.create(
+    async def one(i: int) -> None:
+        results[i], _ = await text_of_stream(
+            await oai.completions.create(
                 model=MODEL, prompt=f"Count {i}", max_tokens=8, temperature=0, stream=True
             )
-            async with stream:
-                async for chunk in stream:
-                    results[i] += chunk.choices[0].text
+        )
 
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-        await oai.close()
-        return results
-
-    streamed = trio.run(main)
-    oai = client(tiny_daemon)
-    for i, text in enumerate(streamed):
-        whole = oai.completions.create(
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(one, i)
+    for i, text in enumerate(results):
+        whole = await oai.completions.create(
             model=MODEL, prompt=f"Count {i}", max_tokens=8, temperature=0
         )
         assert text == whole.choices[0].text
+    await served.assert_whole()
 
 
-def test_cached_tokens_per_tenant(tiny_daemon: DaemonProcess) -> None:
-    def cached(key: str) -> int:
-        result = client(tiny_daemon, key).completions.create(
+async def test_cached_tokens_per_tenant(served: Served) -> None:
+    async def cached(key: str) -> int:
+        result = await client(served, key).completions.create(
             model=MODEL, prompt=LONG_PROMPT, max_tokens=2, temperature=0
         )
         assert result.usage is not None and result.usage.prompt_tokens_details is not None
         return result.usage.prompt_tokens_details.cached_tokens or 0
 
-    first = cached(ALICE)
-    again = cached(ALICE)
-    other = cached(BOB)  # public policy: only operator prefixes are shared
+    first = await cached(ALICE)
+    again = await cached(ALICE)
+    other = await cached(BOB)  # public policy: only operator prefixes are shared
     assert first == 0
     assert again >= 16 and again % 16 == 0
     assert other == 0
-    assert cached(BOB) >= 16  # bob's own repeat does hit
+    assert await cached(BOB) >= 16  # bob's own repeat does hit
 
 
-def test_stop_strings(tiny_daemon: DaemonProcess) -> None:
-    oai = client(tiny_daemon)
-    base = oai.completions.create(model=MODEL, prompt="Hello there", max_tokens=16, temperature=0)
+async def test_stop_strings(served: Served) -> None:
+    oai = client(served)
+    base = await oai.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=16, temperature=0
+    )
     text = base.choices[0].text
     assert len(text) >= 8, text
     stop = text[4:7]
     cut = text[: text.find(stop)]
-    stopped = oai.completions.create(
+    stopped = await oai.completions.create(
         model=MODEL, prompt="Hello there", max_tokens=16, temperature=0, stop=[stop, "\x00\x01"]
     )
     assert stopped.choices[0].text == cut
     assert stopped.choices[0].finish_reason == "stop"
-    streamed = oai.completions.create(
-        model=MODEL, prompt="Hello there", max_tokens=16, temperature=0, stop=stop, stream=True
+    streamed, chunks = await text_of_stream(
+        await oai.completions.create(
+            model=MODEL, prompt="Hello there", max_tokens=16, temperature=0, stop=stop, stream=True
+        )
     )
-    chunks = list(streamed)
-    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert streamed == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
+    await served.assert_whole()  # the stop string cancelled the rest
 
 
-def test_sampling_extensions_and_logprobs(tiny_daemon: DaemonProcess) -> None:
-    oai = client(tiny_daemon)
+async def test_sampling_extensions_and_logprobs(served: Served) -> None:
+    oai = client(served)
 
-    def sample(seed: int) -> str:
-        result = oai.completions.create(
+    async def sample(seed: int) -> str:
+        result = await oai.completions.create(
             model=MODEL,
             prompt="Once",
             max_tokens=12,
@@ -181,16 +194,17 @@ def test_sampling_extensions_and_logprobs(tiny_daemon: DaemonProcess) -> None:
         )
         return result.choices[0].text
 
-    assert sample(7) == sample(7)
-    assert len({sample(7), sample(8), sample(9)}) > 1
-    result = oai.completions.create(
+    assert await sample(7) == await sample(7)
+    assert len({await sample(7), await sample(8), await sample(9)}) > 1
+    result = await oai.completions.create(
         model=MODEL, prompt="Once", max_tokens=5, temperature=0, logprobs=0
     )
     logprobs = result.choices[0].logprobs
     assert logprobs is not None and logprobs.token_logprobs is not None
     assert len(logprobs.token_logprobs) == 5
     assert all(value <= 0 for value in logprobs.token_logprobs)
-    chat = oai.chat.completions.create(
+    assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
+    chat = await oai.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=4,
@@ -199,18 +213,29 @@ def test_sampling_extensions_and_logprobs(tiny_daemon: DaemonProcess) -> None:
     )
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
+    status, _, _ = await post(
+        served,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 0, "stream": True},
+    )
+    assert status == 200
 
 
-def test_token_prompt_and_request_id(tiny_daemon: DaemonProcess) -> None:
-    response = post(
-        tiny_daemon,
+async def test_token_prompt_and_request_id(served: Served) -> None:
+    status, body, headers = await post(
+        served,
         "/v1/completions",
         {"model": MODEL, "prompt": [2, 9259, 1304], "max_tokens": 3, "temperature": 0},
         headers={"X-Request-Id": "trace-123"},
     )
-    assert response.status_code == 200, response.text
-    assert response.headers["X-Request-Id"] == "trace-123"
-    assert response.json()["usage"]["prompt_tokens"] == 3
+    assert status == 200, body
+    assert headers["X-Request-Id"] == "trace-123"
+    assert body["usage"]["prompt_tokens"] == 3
+    # An id a log line could not carry safely is replaced by the server's own.
+    _, _, headers = await post(
+        served, "/v1/completions", {"model": MODEL, "prompt": "x"}, headers={"X-Request-Id": "a b"}
+    )
+    assert headers["X-Request-Id"] != "a b" and len(headers["X-Request-Id"]) == 32
 
 
 BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
@@ -307,66 +332,87 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD_BODIES)
-def test_bad_input_is_a_clear_4xx(
-    tiny_daemon: DaemonProcess,
+async def test_bad_input_is_a_clear_4xx(
+    served: Served,
     path: str,
     body: bytes | dict[str, Any],
     status: int,
     param: str | None,
 ) -> None:
-    response = post(tiny_daemon, path, body)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
+    code, reply, _ = await post(served, path, body)
+    assert code == status, reply
+    error = reply["error"]
     assert error["message"] and error["type"]
     if param is not None:
         assert error["param"] == param, error
+    await served.assert_whole()
 
 
-def test_authentication(tiny_daemon: DaemonProcess) -> None:
+async def test_authentication(served: Served) -> None:
     body = {"model": MODEL, "prompt": "x"}
-    missing = post(tiny_daemon, "/v1/completions", body, key=None)
-    assert missing.status_code == 401 and "missing" in missing.json()["error"]["message"]
-    wrong = post(tiny_daemon, "/v1/completions", body, key="kvd-dev-mallory")
-    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    status, missing, _ = await post(served, "/v1/completions", body, key=None)
+    assert status == 401 and "missing" in missing["error"]["message"]
+    status, wrong, _ = await post(served, "/v1/completions", body, key="kvd-dev-mallory")
+    assert status == 401 and wrong["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
-        client(tiny_daemon, "nope").models.list()
+        await client(served, "nope").models.list()
 
 
-def test_tier_and_rate_limit(tiny_daemon: DaemonProcess) -> None:
+async def test_tier_and_rate_limit(served: Served) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "priority": "interactive"}
-    above = post(tiny_daemon, "/v1/completions", body, key=CAROL)
-    assert above.status_code == 403, above.text  # carol's tier is batch
+    status, above, _ = await post(served, "/v1/completions", body, key=CAROL)
+    assert status == 403, above  # carol's tier is batch
+    assert above["error"]["code"] == "tier_not_allowed"
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
-    statuses = [post(tiny_daemon, "/v1/completions", body, key=CAROL) for _ in range(3)]
-    assert [r.status_code for r in statuses] == [200, 200, 429]
-    limited = statuses[-1]
-    assert int(limited.headers["Retry-After"]) >= 1
-    assert limited.json()["error"]["code"] == "rate_limited"
-    assert "alice" not in limited.text and "bob" not in limited.text
-    assert post(tiny_daemon, "/v1/completions", body, key=ALICE).status_code == 200
-    assert tiny_daemon.wait_for("tenant.rate_limited")["tenant"] == "carol"
+    replies = [await post(served, "/v1/completions", body, key=CAROL) for _ in range(3)]
+    assert [status for status, _, _ in replies] == [200, 200, 429]
+    _, limited, headers = replies[-1]
+    assert int(headers["Retry-After"]) >= 1
+    assert limited["error"]["code"] == "rate_limited"
+    assert "alice" not in json.dumps(limited) and "bob" not in json.dumps(limited)
+    assert (await post(served, "/v1/completions", body, key=ALICE))[0] == 200
+    assert served.named("tenant.rate_limited")[-1]["tenant"] == "carol"
 
 
-def test_metrics_and_logs(tiny_daemon: DaemonProcess) -> None:
-    client(tiny_daemon).completions.create(model=MODEL, prompt="metrics", max_tokens=3)
-    tiny_daemon.wait_pages_released()
-    metrics = tiny_daemon.metrics()
+async def test_metrics_and_logs(served: Served) -> None:
+    await client(served).completions.create(model=MODEL, prompt="Hello there", max_tokens=3)
+    await served.assert_whole()
+    metrics = await served.metrics()
     assert metrics['kvd_tenant_completion_tokens_total{tenant="alice"}'] > 0
     assert metrics["kvd_pool_capacity_pages"] > 0
     assert metrics['kvd_time_to_first_token_seconds_count{tenant="alice"}'] >= 1
     assert metrics["kvd_measured_prefill_tokens_per_second"] > 0
-    finish = tiny_daemon.wait_for("request.finish")
+    assert metrics['kvd_requests_total{outcome="length",tenant="alice"}'] == 1
+    assert metrics['kvd_http_requests_total{route="/v1/completions",status="200"}'] == 1
+    finish = served.named("request.finish")[-1]
     assert {"request_id", "tenant", "outcome", "ttft_s", "cached_tokens"} <= set(finish)
+    assert served.named("request.accepted") and served.named("request.start")
     # No prompt or completion text in the logs by default.
-    assert not any("Hello there" in json.dumps(e) for e in tiny_daemon.events)
+    assert not any("Hello there" in json.dumps(e, default=str) for e in served.logs)
 
 
-def test_metrics_are_not_on_the_tenant_port(tiny_daemon: DaemonProcess) -> None:
-    assert httpx.get(f"{tiny_daemon.url}/metrics").status_code == 404
-    assert httpx.get(f"{tiny_daemon.metrics_url}/metrics").status_code == 200
+async def test_prompts_are_logged_only_when_asked(tmp_path: Any) -> None:
+    from tests.server.conftest import write_config
+
+    path = write_config(tmp_path / "kvd.toml")
+    path.write_text(path.read_text().replace("[server]", "[server]\nlog_prompts = true"))
+    async with serving(tmp_path, config_path=path) as served:
+        assert (await served.complete(prompt="Hello there")).status_code == 200
+        accepted = served.named("request.accepted")[-1]
+        assert accepted["prompt"] == "Hello there"
+        assert "completion" in served.named("request.finish")[-1]
 
 
-def test_nulls_mean_defaults_and_top_k_is_bounded(tiny_daemon: DaemonProcess) -> None:
+async def test_metrics_are_not_on_the_tenant_port(served: Served) -> None:
+    from kvd.server.http import create_metrics_app
+
+    assert (await served.http.get("/metrics")).status_code == 404
+    metrics_app = create_metrics_app(served.daemon.state.metrics)
+    scraped = await metrics_app.test_client().get("/metrics")
+    assert scraped.status_code == 200 and b"kvd_pool_pages" in await scraped.get_data()
+
+
+async def test_nulls_mean_defaults_and_top_k_is_bounded(served: Served) -> None:
     body = {
         "model": MODEL,
         "prompt": "nulls",
@@ -378,21 +424,24 @@ def test_nulls_mean_defaults_and_top_k_is_bounded(tiny_daemon: DaemonProcess) ->
         "logprobs": None,
         "presence_penalty": None,
     }
-    assert post(tiny_daemon, "/v1/completions", body).status_code == 200
-    huge = post(tiny_daemon, "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**40})
-    assert huge.status_code == 400 and huge.json()["error"]["param"] == "top_k"
-    over = post(tiny_daemon, "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 10**6})
-    assert over.status_code == 400 and over.json()["error"]["param"] == "top_k"
-    # Beyond the 256 candidates top-k is still exact (a whole-vocabulary cut).
+    assert (await post(served, "/v1/completions", body))[0] == 200
+    status, huge, _ = await post(
+        served, "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**40}
+    )
+    assert status == 400 and huge["error"]["param"] == "top_k"
+    status, over, _ = await post(
+        served, "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 10**6}
+    )
+    assert status == 400 and over["error"]["param"] == "top_k"
     wide = {"model": MODEL, "prompt": "x", "top_k": 5000, "top_p": 0.99, "max_tokens": 3}
-    assert post(tiny_daemon, "/v1/completions", wide).status_code == 200
+    assert (await post(served, "/v1/completions", wide))[0] == 200
 
 
-def test_developer_role_is_a_system_message(tiny_daemon: DaemonProcess) -> None:
+async def test_developer_role_is_a_system_message(served: Served) -> None:
     """OpenAI's current name for the system role: the same prompt as system."""
 
-    def prompt_tokens(role: str) -> int:
-        reply = client(tiny_daemon).chat.completions.create(
+    async def prompt_tokens(role: str) -> int:
+        reply = await client(served).chat.completions.create(
             model=MODEL,
             messages=[
                 {"role": role, "content": "Answer in one word."},  # type: ignore[misc]
@@ -403,26 +452,4 @@ def test_developer_role_is_a_system_message(tiny_daemon: DaemonProcess) -> None:
         assert reply.usage is not None
         return reply.usage.prompt_tokens
 
-    assert prompt_tokens("developer") == prompt_tokens("system")
-
-
-def test_a_tensor_parallel_daemon_answers_the_same(
-    tiny_daemon: DaemonProcess, tmp_path: Any, daemon_env: dict[str, str]
-) -> None:
-    """`tensor_parallel = 2` on two simulated devices: the same greedy text."""
-    from tests.server.conftest import write_config
-
-    env = daemon_env | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    sharded = DaemonProcess(write_config(tmp_path / "tp.toml", tensor_parallel=2), env)
-    try:
-        body = {"model": MODEL, "prompt": "Split me in two", "max_tokens": 12, "temperature": 0}
-        expected = post(tiny_daemon, "/v1/completions", body).json()["choices"][0]["text"]
-        got = post(sharded, "/v1/completions", body).json()["choices"][0]["text"]
-        assert got == expected
-        assert sharded.terminate() == 0
-    finally:
-        sharded.kill()
-
-
-def test_no_pages_leak_after_all_of_the_above(tiny_daemon: DaemonProcess) -> None:
-    tiny_daemon.wait_pages_released()
+    assert await prompt_tokens("developer") == await prompt_tokens("system")
