@@ -161,11 +161,13 @@ class Daemon:
         describe_device: Callable[[], str] | None = None,
         step_in_thread: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        exit_process: Callable[[int], object] = os._exit,
     ) -> None:
         self.config = config
         self.listen = listen or config.server.listen
         parse_listen(self.listen)
         self.loader = loader
+        self.exit_process = exit_process  # how a deadline leaves (tests record it)
         self.step_in_thread = step_in_thread
         self.clock = clock
         self.runtime: Runtime | None = None
@@ -535,7 +537,7 @@ class Daemon:
                 "lifecycle.hard_exit", after_s=after_s, status=code, clean=self.clean, reason=reason
             )
             sys.stdout.flush()
-            os._exit(code)
+            self.exit_process(code)
 
         timer = threading.Timer(after_s, hard_exit)
         timer.daemon = True

@@ -15,8 +15,10 @@ import functools
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,9 @@ from tests.server.conftest import ALICE, write_config
 
 MODEL = "random"
 DEVICE = "simulated: SimulatedExecutor x1"
+
+
+_threaded_steps: ContextVar[bool] = ContextVar("threaded_steps", default=False)
 
 
 @functools.cache
@@ -84,7 +89,10 @@ def simulated_loader(executors: list[SimulatedExecutor]) -> Callable[..., Loaded
         executor = SimulatedExecutor(layout, pages, limits, words.stop_ids())
         executors.append(executor)
         live = saved or from_config(config, config_prefixes(config, words, vocab))
-        scheduler = build_scheduler(config, executor, live, layout.page_bytes, clock=trio.current_time)
+        # The runtime's clock: trio's on the event loop, a real one for steps
+        # in a worker thread (trio's cannot be read there).
+        clock = time.monotonic if _threaded_steps.get() else trio.current_time
+        scheduler = build_scheduler(config, executor, live, layout.page_bytes, clock=clock)
         progress("lifecycle.calibrating", {"what": "the prefill and copy rates"})
         scheduler.calibrate(repeats=1)
         return Loaded(scheduler, words, vocab, pages - 1, layout.page_bytes, live)
@@ -119,6 +127,14 @@ class Served:
     executors: list[SimulatedExecutor]
     config_path: Path
     logs: list[dict[str, Any]] = field(default_factory=list)
+    exits: list[int] = field(default_factory=list)  # exits deadlines would have taken
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The tenants' listener (``http_socket=True``)."""
+        url = self.named("lifecycle.listening")[0]["addresses"][0]
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        return host, int(port)
 
     @property
     def executor(self) -> SimulatedExecutor:
@@ -204,30 +220,51 @@ async def kvctl(served: Served, *args: str) -> subprocess.CompletedProcess[bytes
 
 @asynccontextmanager
 async def serving(
-    tmp_path: Path, *, config_path: Path | None = None, admin_socket: bool = False, **values: Any
+    tmp_path: Path,
+    *,
+    config_path: Path | None = None,
+    admin_socket: bool = False,
+    http_socket: bool = False,
+    step_in_thread: bool = False,
+    extra_server: str = "",
+    **values: Any,
 ) -> AsyncIterator[Served]:
     """An in-process daemon, loaded and ready, for the ``async with`` body;
     its engine task is stopped after. ``values`` fill the tiny config (see
     conftest.write_config); ``config_path`` reuses a written one (a restart);
     ``admin_socket`` serves the admin API on its real Unix socket as well,
-    kept bound as the daemon keeps it."""
+    kept bound as the daemon keeps it; ``step_in_thread`` runs steps in the
+    worker thread the engine's run in (``step_timeout`` applies);
+    ``extra_server`` is more of the config's [server] section. The exit a
+    deadline would take is recorded in ``Served.exits``, not taken."""
     if config_path is None:
         config_path = write_config(tmp_path / "kvd.toml", **values)
+        if extra_server:
+            text = config_path.read_text().replace("[server]", f"[server]\n{extra_server}", 1)
+            config_path.write_text(text)
     config = load_config(config_path)
     executors: list[SimulatedExecutor] = []
+    exits: list[int] = []
     daemon = Daemon(
         config,
         loader=simulated_loader(executors),
         describe_device=lambda: DEVICE,
-        step_in_thread=False,
-        clock=trio.current_time,
+        step_in_thread=step_in_thread,
+        clock=time.monotonic if step_in_thread else trio.current_time,
+        exit_process=exits.append,
     )
     with structlog.testing.capture_logs() as logs:
         saved = daemon.restore()
-        loaded = daemon._load(saved)
+        threaded = _threaded_steps.set(step_in_thread)
+        try:
+            loaded = daemon._load(saved)
+        finally:
+            _threaded_steps.reset(threaded)
         async with trio.open_nursery() as nursery:
             if admin_socket:
                 await daemon._start_admin(nursery)
+            if http_socket:  # the listeners on 127.0.0.1, port 0
+                await daemon._start_http(nursery)
             daemon.go_live(nursery, loaded)
             served = Served(
                 daemon,
@@ -236,6 +273,7 @@ async def serving(
                 executors,
                 config_path,
                 logs,
+                exits,
             )
             try:
                 yield served
