@@ -86,6 +86,16 @@ def wait_until(condition: Callable[[], object], what: str, timeout: float = 60) 
         time.sleep(0.05)
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition as {name{labels}: value}."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
 class DaemonProcess:
     """A running ``kvd serve``; its log events are collected as they come."""
 
@@ -164,13 +174,7 @@ class DaemonProcess:
         wait_until(lambda: len(self.named(name)) >= count, f"{count} x {name}", timeout)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.metrics_url}/metrics").text
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                values[key] = float(value)
-        return values
+        return parse_metrics(httpx.get(f"{self.metrics_url}/metrics").text)
 
     def used_pages(self) -> float:
         return self.metrics()['kvd_pool_pages{state="used"}']

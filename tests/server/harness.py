@@ -39,7 +39,7 @@ from kvd.server.daemon import Daemon
 from kvd.server.scheduling import Loaded, build_scheduler, config_prefixes
 from kvd.server.state import LiveState, from_config
 from kvd.units import parse_size
-from tests.server.conftest import ALICE, write_config
+from tests.server.conftest import ALICE, parse_metrics, write_config
 
 MODEL = "random"
 DEVICE = "simulated: SimulatedExecutor x1"
@@ -180,13 +180,7 @@ class Served:
         return body  # type: ignore[no-any-return]
 
     async def metrics(self) -> dict[str, float]:
-        text = (await (await self.admin.get("/metrics")).get_data()).decode()
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                values[key] = float(value)
-        return values
+        return parse_metrics((await (await self.admin.get("/metrics")).get_data()).decode())
 
     def named(self, event: str) -> list[dict[str, Any]]:
         return [e for e in self.logs if e.get("event") == event]
