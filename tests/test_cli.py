@@ -126,11 +126,6 @@ def test_kvctl_refuses_non_finite_numbers_without_a_traceback(
     assert len(lines) == 1 and lines[0].startswith("kvctl: error: "), out.stderr
 
 
-def test_serve_needs_a_config() -> None:
-    out = run("kvd", "serve")
-    assert out.returncode == 2 and "--config" in out.stderr
-
-
 def test_bench_kv_prints_figures() -> None:
     out = run("kvd", "bench", "kv", "--running", "8,32", "--steps", "5", "--json")
     assert out.returncode == 0, out.stderr

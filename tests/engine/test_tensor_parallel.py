@@ -1,6 +1,7 @@
-"""Tensor parallelism on simulated devices: a subprocess with
+"""Tensor parallelism on simulated devices: one subprocess with
 ``--xla_force_host_platform_device_count=4`` (the device count is fixed when
-JAX starts, so it cannot be changed inside this test process)."""
+JAX starts, so it cannot be changed inside this test process) runs every
+case, one JAX start and one compile cache for them all."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+CASES = ("tiny-kv4", "tiny-kv1", "real", "server")
 
 
-def check(case: str, sizes: str, cache: Path) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     env["JAX_PLATFORMS"] = "cpu"
-    env["KVD_CACHE_DIR"] = str(cache)
     result = subprocess.run(
-        [sys.executable, "-m", "tests.engine.tp_check", case, sizes],
+        [sys.executable, "-m", "tests.engine.tp_check", ",".join(CASES), "2,4"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -30,15 +32,15 @@ def check(case: str, sizes: str, cache: Path) -> dict[str, Any]:
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 4
+    return out
 
 
 @pytest.mark.parametrize("case", ["tiny-kv4", "tiny-kv1"])
-def test_sharded_logits_match_single_device(case: str, tmp_path: Path) -> None:
-    report = check(case, "2,4", tmp_path)
-    assert report["devices"] == 4
+def test_sharded_logits_match_single_device(case: str, report: dict[str, Any]) -> None:
     for n in ("2", "4"):
-        entry = report[n]
+        entry = report[case][n]
         assert entry["param_shards"] == int(n)  # the weights really are split
         # The pool is split by KV head when they divide evenly, else replicated.
         assert entry["pool_split"] == (case == "tiny-kv4")
@@ -51,9 +53,13 @@ def test_sharded_logits_match_single_device(case: str, tmp_path: Path) -> None:
         # (max_logit_diff: a decode step of 3 sequences, two past the window)
 
 
-def test_real_model_greedy_is_unchanged_under_sharding(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    report = check("real", "2,4", tmp_path_factory.mktemp("kvd-cache"))
+def test_real_model_greedy_is_unchanged_under_sharding(report: dict[str, Any]) -> None:
     for n in ("2", "4"):
-        assert report[n]["same_tokens"], report
+        assert report["real"][n]["same_tokens"], report["real"]
+
+
+def test_a_tensor_parallel_daemon_answers_the_same(report: dict[str, Any]) -> None:
+    """The daemon's own load path with ``tensor_parallel = 2``, over HTTP:
+    the same greedy text as with one device."""
+    assert report["server"]["same_text"], report["server"]
+    assert all(report["server"]["texts"])

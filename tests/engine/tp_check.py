@@ -1,7 +1,10 @@
 """Run as a script with several (simulated) devices: the sharded engine next
-to the single-device one on the same model; prints one JSON object.
+to the single-device one on the same model, for each case named; prints one
+JSON object, keyed by case. ``server`` is the daemon (its real loader, the
+HTTP app) with ``tensor_parallel = 2`` next to one with 1.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.engine.tp_check tiny-kv4
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+        python -m tests.engine.tp_check tiny-kv4,tiny-kv1,real,server 2,4
 """
 
 from __future__ import annotations
@@ -72,7 +75,34 @@ def decode_logits(engine: Engine, prompts: list[list[int]]) -> np.ndarray:
     return np.asarray(logits)[: len(prompts)]
 
 
+def server_case() -> dict[str, object]:
+    """The same greedy text from a daemon split over two devices."""
+    import tempfile
+    from pathlib import Path
+
+    import trio
+
+    from kvd.server.daemon import load_engine
+    from tests.server.harness import serving
+
+    async def answer(directory: Path, devices: int) -> str:
+        async with serving(directory, loader=load_engine, tensor_parallel=devices) as served:
+            reply = await served.complete(prompt="Split me in two", max_tokens=12)
+            body = await reply.get_json()
+            assert reply.status_code == 200, body
+            await served.assert_whole()
+            return str(body["choices"][0]["text"])
+
+    texts = []
+    for devices in (1, 2):
+        with tempfile.TemporaryDirectory() as directory:
+            texts.append(trio.run(answer, Path(directory), devices))
+    return {"same_text": texts[0] == texts[1], "texts": texts}
+
+
 def main(case: str, sizes: list[int]) -> dict[str, object]:
+    if case == "server":
+        return server_case()
     if case == "real":
         model = load_model("gemma3-270m", "float32")
         prompts = [
@@ -94,7 +124,7 @@ def main(case: str, sizes: list[int]) -> dict[str, object]:
         )
         new = 30  # decodes well past the 12-token window
     greedy = SamplingParams(temperature=0.0, max_tokens=new, logprobs=True)
-    report: dict[str, object] = {"devices": jax.device_count()}
+    report: dict[str, object] = {}
     reference = Engine(model, config)
     base_logits = decode_logits(reference, prompts) if case != "real" else None
     base = BatchGenerator(reference).generate(prompts, [greedy] * len(prompts))
@@ -125,4 +155,8 @@ def main(case: str, sizes: list[int]) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], [int(n) for n in sys.argv[2].split(",")])))
+    sizes = [int(n) for n in sys.argv[2].split(",")]
+    report: dict[str, object] = {"devices": jax.device_count()}
+    for case in sys.argv[1].split(","):
+        report[case] = main(case, sizes)
+    print(json.dumps(report))

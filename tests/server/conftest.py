@@ -1,15 +1,15 @@
 """Real daemons for the server tests: ``kvd serve`` in a subprocess on
 127.0.0.1 (port 0: the OS picks), its JSON log lines read from stdout.
 
-All daemons of a session share one cache directory, so the embedded model is
-assembled once and compiled programs are reused from JAX's persistent cache.
+All daemons of a run share its cache directory (tests/conftest.py), so the
+embedded model is assembled once and compiled programs are reused from JAX's
+persistent cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -228,20 +228,6 @@ def serve_until_exit(
         text=True,
         timeout=timeout,
     )
-
-
-@pytest.fixture(scope="session")
-def kvd_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kvd-cache")
-
-
-@pytest.fixture(scope="session")
-def daemon_env(kvd_cache: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["KVD_CACHE_DIR"] = str(kvd_cache)
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
-    return env
 
 
 def write_config(path: Path, **values: Any) -> Path:

@@ -35,7 +35,7 @@ from kvd.sched.executor import ExecutorLimits
 from kvd.sched.simulated import SimulatedExecutor
 from kvd.server.admin import create_admin_app
 from kvd.server.config import Config, load_config
-from kvd.server.daemon import Daemon
+from kvd.server.daemon import Daemon, Loader
 from kvd.server.scheduling import Loaded, build_scheduler, config_prefixes
 from kvd.server.state import LiveState, from_config
 from kvd.units import parse_size
@@ -61,10 +61,14 @@ def token_buckets(limit: int) -> tuple[int, ...]:
     return (*buckets, limit)
 
 
-def simulated_loader(executors: list[SimulatedExecutor]) -> Callable[..., Loaded]:
+def simulated_loader(
+    executors: list[SimulatedExecutor], *, in_thread: bool = False
+) -> Callable[..., Loaded]:
     """A loader for ``Daemon``: the config's pool, limits, tenants and
     prefixes over a simulated executor of the tiny random model's KV
-    geometry (each one made is appended to ``executors``)."""
+    geometry (each one made is appended to ``executors``). ``in_thread``:
+    for ``Daemon.run``, which loads in a worker thread and steps in another
+    (the scheduler's clock is then the real one)."""
 
     def load(
         config: Config,
@@ -91,7 +95,7 @@ def simulated_loader(executors: list[SimulatedExecutor]) -> Callable[..., Loaded
         live = saved or from_config(config, config_prefixes(config, words, vocab))
         # The runtime's clock: trio's on the event loop, a real one for steps
         # in a worker thread (trio's cannot be read there).
-        clock = time.monotonic if _threaded_steps.get() else trio.current_time
+        clock = time.monotonic if in_thread or _threaded_steps.get() else trio.current_time
         scheduler = build_scheduler(config, executor, live, layout.page_bytes, clock=clock)
         progress("lifecycle.calibrating", {"what": "the prefill and copy rates"})
         scheduler.calibrate(repeats=1)
@@ -221,6 +225,7 @@ async def serving(
     http_socket: bool = False,
     step_in_thread: bool = False,
     extra_server: str = "",
+    loader: Loader | None = None,
     **values: Any,
 ) -> AsyncIterator[Served]:
     """An in-process daemon, loaded and ready, for the ``async with`` body;
@@ -229,8 +234,10 @@ async def serving(
     ``admin_socket`` serves the admin API on its real Unix socket as well,
     kept bound as the daemon keeps it; ``step_in_thread`` runs steps in the
     worker thread the engine's run in (``step_timeout`` applies);
-    ``extra_server`` is more of the config's [server] section. The exit a
-    deadline would take is recorded in ``Served.exits``, not taken."""
+    ``extra_server`` is more of the config's [server] section; ``loader``
+    replaces the simulated executor (``kvd.server.daemon.load_engine``: the
+    real engine). The exit a deadline would take is recorded in
+    ``Served.exits``, not taken."""
     if config_path is None:
         config_path = write_config(tmp_path / "kvd.toml", **values)
         if extra_server:
@@ -241,7 +248,7 @@ async def serving(
     exits: list[int] = []
     daemon = Daemon(
         config,
-        loader=simulated_loader(executors),
+        loader=loader or simulated_loader(executors),
         describe_device=lambda: DEVICE,
         step_in_thread=step_in_thread,
         clock=time.monotonic if step_in_thread else trio.current_time,

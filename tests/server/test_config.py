@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner, Result
 
+from kvd.cli import cli
 from kvd.server.config import ConfigError, load_config, pages_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,24 +80,31 @@ def test_budgets_in_pages() -> None:
     assert pages_of("r", "0", 4096, 1000) == 0
 
 
-def run_kvd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True, timeout=60
-    )
+def run_kvd(*args: str) -> Result:
+    """The kvd command line in this process (its parsing and messages are the
+    subject, not a process: these commands never start a daemon)."""
+    return CliRunner().invoke(cli, list(args), prog_name="kvd")
+
+
+@pytest.mark.parametrize("name", ["kvd.toml", "kvd.dev.toml"])
+def test_every_example_config_checks(name: str) -> None:
+    ok = run_kvd("check-config", str(REPO / "etc" / name))
+    assert ok.exit_code == 0 and ": ok (model" in ok.stdout, ok.stderr
 
 
 def test_check_config_cli(tmp_path: Path) -> None:
-    ok = run_kvd("check-config", str(REPO / "etc" / "kvd.dev.toml"))
-    assert ok.returncode == 0 and "ok" in ok.stdout
     bad = run_kvd("check-config", str(write(tmp_path, "[server]\nnope = 1\n" + TENANT)))
-    assert bad.returncode == 2
+    assert bad.exit_code == 2
     assert bad.stderr.startswith("kvd: error: ") and "nope" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
     missing = run_kvd("check-config", str(tmp_path / "absent.toml"))
-    assert missing.returncode == 2 and "no such file" in missing.stderr
+    assert missing.exit_code == 2 and "no such file" in missing.stderr
     serve = run_kvd("serve", "--config", str(tmp_path / "absent.toml"))
-    assert serve.returncode == 2 and "no such file" in serve.stderr
+    assert serve.exit_code == 2 and "no such file" in serve.stderr
     listen = run_kvd("serve", "--config", str(REPO / "etc" / "kvd.dev.toml"), "--listen", "x")
-    assert listen.returncode == 2 and "HOST:PORT" in listen.stderr
+    assert listen.exit_code == 2 and "HOST:PORT" in listen.stderr
+    needs = run_kvd("serve")
+    assert needs.exit_code == 2 and "--config" in needs.stderr
 
 
 @pytest.fixture(scope="module")
