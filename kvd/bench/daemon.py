@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,10 @@ class LoggedDaemon:
             text=True,
         )
         self.events: list[dict[str, Any]] = []
+        self._logged = threading.Condition()
         self.ready = threading.Event()
         self.url = ""
+        self.closed = False  # its output ended
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -39,12 +42,27 @@ class LoggedDaemon:
             except json.JSONDecodeError:
                 continue
             event["_t"] = time.monotonic()
-            self.events.append(event)
+            with self._logged:
+                self.events.append(event)
+                self._logged.notify_all()
             if event.get("event") == "lifecycle.listening":
                 self.url = event["addresses"][0]
             elif event.get("event") == "lifecycle.ready":
                 self.ready.set()
         self.ready.set()
+        with self._logged:
+            self.closed = True
+            self._logged.notify_all()
+
+    def wait_for(
+        self, condition: Callable[[list[dict[str, Any]]], bool], timeout: float | None = None
+    ) -> bool:
+        """Until ``condition(events)`` holds (True), the daemon's output ends
+        or ``timeout`` passes (False)."""
+        with self._logged:
+            return self._logged.wait_for(
+                lambda: condition(self.events) or self.closed, timeout
+            ) and condition(self.events)
 
     def wait_ready(self) -> str:
         self.ready.wait()

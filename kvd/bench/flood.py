@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -70,6 +71,9 @@ def _config(
 listen = "127.0.0.1:0"
 metrics_listen = "127.0.0.1:0"
 admin_socket = "{sock}"
+# Beside the socket, in the run's temporary directory: a bench never
+# touches (nor restores) the state of a daemon installed on this host.
+state_file = "{sock}.state.json"
 step_log_interval = 1.0
 queue_timeout = 3600
 
@@ -127,6 +131,39 @@ def run_flood_bench(
     flood_tier: str = "batch",
     log: Callable[[str], None] = lambda _text: None,
 ) -> FloodReport:
+    """One daemon in budget ``mode``, one measured run."""
+    (report,) = run_flood_modes(
+        (mode,),
+        model=model,
+        flood_requests=flood_requests,
+        flood_words=flood_words,
+        interactive_requests=interactive_requests,
+        target_step_ms=target_step_ms,
+        pool=pool,
+        max_model_len=max_model_len,
+        flood_tier=flood_tier,
+        log=log,
+    )
+    return report
+
+
+def run_flood_modes(
+    modes: tuple[str, ...],
+    *,
+    model: str = "gemma3-270m",
+    flood_requests: int = 24,
+    flood_words: int = 100,
+    interactive_requests: int = 8,
+    target_step_ms: float | None = 2000.0,
+    pool: str = "256MiB",
+    max_model_len: int = 2048,
+    flood_tier: str = "batch",
+    log: Callable[[str], None] = lambda _text: None,
+) -> list[FloodReport]:
+    """One daemon, a measured run per budget mode in turn: the mode (and the
+    flooder's reservation, which static needs) set live over the admin
+    socket, as an operator would, with the cache flushed between runs."""
+    from kvctl.admin import Client
     from kvd.engine.loader import load_model
 
     tokenizer = load_model(model).tokenizer if model != "random" else None
@@ -135,46 +172,121 @@ def run_flood_bench(
     inter_prompts = [
         f"Question {i}: name one colour of the sky." for i in range(interactive_requests)
     ]
+    reports = []
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "flood.toml"
+        sock = f"{tmp}/a.sock"
         config.write_text(
-            _config(model, max_model_len, pool, target_step_ms, f"{tmp}/a.sock", mode, flood_tier)
+            _config(model, max_model_len, pool, target_step_ms, sock, modes[0], flood_tier)
         )
         log(f"starting kvd serve ({model}), target_step_ms={target_step_ms}")
         daemon = LoggedDaemon(config)
         try:
             url = daemon.wait_ready()
-            log("idle run: the interactive requests alone")
-            idle = [_complete(url, INTER_KEY, p, 8) for p in inter_prompts]
-            log(f"flood: {flood_requests} x ~{prompt_tokens} tokens from the flooding tenant")
-            flood_done: list[float] = []
-            flood_started = time.monotonic()
-            mark = len(daemon.events)
-
-            def bulk(prompt: str) -> None:
-                _complete(url, BULK_KEY, prompt, 16)
-                flood_done.append(time.monotonic() - flood_started)
-
-            threads = [threading.Thread(target=bulk, args=(p,)) for p in bulk_prompts]
-            for thread in threads:
-                thread.start()
-            time.sleep(2.0)  # the flood is queued and its prefills under way
-            flooded = []
-            for i, prompt in enumerate(inter_prompts):
-                flooded.append(_complete(url, INTER_KEY, prompt, 8))
-                log(f"  interactive {i}: first token after {flooded[-1][1]:.2f} s")
-            for thread in threads:
-                thread.join()
-            flood_seconds = time.monotonic() - flood_started
-            time.sleep(1.5)  # the last engine.step summary
+            admin = Client(sock)
+            for mode in modes:
+                _set_mode(admin, mode)
+                log(f"budget mode {mode}")
+                report = _measure(daemon, url, bulk_prompts, inter_prompts, log)
+                reports.append(
+                    _report(
+                        daemon.events[report.mark :],
+                        report,
+                        model=model,
+                        mode=mode,
+                        flood_tier=flood_tier,
+                        target_step_ms=target_step_ms,
+                        prompt_tokens=prompt_tokens,
+                    )
+                )
         finally:
             daemon.stop()
-    events = daemon.events[mark:]
-    starts = [
-        e["queue_steps"]
-        for e in events
-        if e.get("event") == "request.start" and e.get("tenant") == "inter"
-    ]
+    return reports
+
+
+def _set_mode(admin: Any, mode: str) -> None:
+    """Static partitions hold nothing beyond a reservation: there the flooder
+    reserves 70% (every other mode, none). Ordered so that the reservations
+    always fit the mode they are checked under."""
+    bulk_reservation = "70%" if mode == "static" else "0"
+    current = admin.request("GET", "/v1/budget")["mode"]
+    if current != mode and mode != "static":
+        admin.request("PUT", "/v1/budget", {"mode": mode})
+    admin.request("PATCH", "/v1/tenants/bulk", {"reservation": bulk_reservation})
+    if current != mode and mode == "static":
+        admin.request("PUT", "/v1/budget", {"mode": mode})
+    admin.request("POST", "/v1/flush")
+
+
+class _Measured(msgspec.Struct):
+    mark: int  # the daemon's first event of the measured flood
+    flood_requests: int
+    idle: list[tuple[str, float]]
+    flooded: list[tuple[str, float]]
+    flood_done: list[float]
+    flood_seconds: float
+
+
+def _measure(
+    daemon: LoggedDaemon,
+    url: str,
+    bulk_prompts: list[str],
+    inter_prompts: list[str],
+    log: Callable[[str], None],
+) -> _Measured:
+    log("idle run: the interactive requests alone")
+    idle = [_complete(url, INTER_KEY, p, 8) for p in inter_prompts]
+    log(f"flood: {len(bulk_prompts)} prompts from the flooding tenant")
+    flood_done: list[float] = []
+    flood_started = time.monotonic()
+    mark = len(daemon.events)
+
+    def bulk(prompt: str) -> None:
+        _complete(url, BULK_KEY, prompt, 16)
+        flood_done.append(time.monotonic() - flood_started)
+
+    threads = [threading.Thread(target=bulk, args=(p,)) for p in bulk_prompts]
+    for thread in threads:
+        thread.start()
+    # The flood is queued and its prefills are under way.
+    daemon.wait_for(
+        lambda events: (
+            sum(_is(e, "request.accepted", "bulk") for e in events[mark:]) >= len(bulk_prompts)
+            and any(_is(e, "request.start", "bulk") for e in events[mark:])
+        )
+    )
+    flooded = []
+    for i, prompt in enumerate(inter_prompts):
+        flooded.append(_complete(url, INTER_KEY, prompt, 8))
+        log(f"  interactive {i}: first token after {flooded[-1][1]:.2f} s")
+    for thread in threads:
+        thread.join()
+    flood_seconds = time.monotonic() - flood_started
+    ended = len(daemon.events)
+    # The engine.step summary of the flood's last steps (logged each
+    # step_log_interval while steps run).
+    daemon.wait_for(
+        lambda events: any(e.get("event") == "engine.step" for e in events[ended:]), timeout=5.0
+    )
+    return _Measured(mark, len(bulk_prompts), idle, flooded, flood_done, flood_seconds)
+
+
+def _is(event: dict[str, Any], name: str, tenant: str) -> bool:
+    return event.get("event") == name and event.get("tenant") == tenant
+
+
+def _report(
+    events: list[dict[str, Any]],
+    run: _Measured,
+    *,
+    model: str,
+    mode: str,
+    flood_tier: str,
+    target_step_ms: float | None,
+    prompt_tokens: int,
+) -> FloodReport:
+    idle, flooded = run.idle, run.flooded
+    starts = [e["queue_steps"] for e in events if _is(e, "request.start", "inter")]
     preempted: dict[str, dict[str, int]] = {}
     for e in events:
         if e.get("event") == "kv.preempt":
@@ -191,9 +303,9 @@ def run_flood_bench(
         mode=mode,
         flood_tier=flood_tier,
         target_step_ms=target_step_ms,
-        flood_requests=flood_requests,
+        flood_requests=run.flood_requests,
         flood_prompt_tokens=prompt_tokens,
-        interactive_requests=interactive_requests,
+        interactive_requests=len(flooded),
         outputs_equal_idle=[o for o, _ in idle] == [o for o, _ in flooded],
         ttft_idle_p50_s=round(percentile([t for _, t in idle], 0.5), 3),
         ttft_idle_max_s=round(max(t for _, t in idle), 3),
@@ -204,8 +316,8 @@ def run_flood_bench(
         preempted=preempted,
         longest_step_s=round(longest, 3),
         steps_over_twice_target=over,
-        flood_completed=len(flood_done),
-        flood_seconds=round(flood_seconds, 1),
+        flood_completed=len(run.flood_done),
+        flood_seconds=round(run.flood_seconds, 1),
         ttft_idle_s=[round(t, 3) for _, t in idle],
         ttft_flood_s=[round(t, 3) for _, t in flooded],
     )

@@ -62,6 +62,9 @@ def _config(model: str, clients: int, max_model_len: int, pool: str, admin_socke
 listen = "127.0.0.1:0"
 metrics_listen = "127.0.0.1:0"
 admin_socket = "{admin_socket}"
+# Beside the socket, in the run's temporary directory: a bench never
+# touches (nor restores) the state of a daemon installed on this host.
+state_file = "{admin_socket}.state.json"
 drain_timeout = 30.0
 step_log_interval = 5.0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvd.bench.flood import FloodReport, run_flood_bench
+from kvd.bench.flood import FloodReport, run_flood_modes
 from kvd.experiments.results import ExperimentResult, Say, new_result, pyplot, save_plot, timed
 
 QUESTION = "whether reservation-plus-burst holds isolation under a deliberately abusive tenant"
@@ -42,23 +42,19 @@ def run(out: Path, quick: bool, say: Say, model: str | None = None) -> Experimen
     )
     with timed(result):
         model = model or ("random" if quick else "gemma3-270m")
-        reports: list[FloodReport] = []
-        for mode in MODES:
-            say(f"budget mode {mode}")
-            reports.append(
-                run_flood_bench(
-                    model=model,
-                    flood_requests=6 if quick else 16,
-                    flood_words=20 if quick else 80,
-                    interactive_requests=3 if quick else 6,
-                    target_step_ms=None if quick else 800.0,
-                    pool="32MiB" if quick else "128MiB",
-                    max_model_len=2048,
-                    mode=mode,
-                    flood_tier="interactive",
-                    log=lambda text: say(f"  {text}"),
-                )
-            )
+        say(f"budget modes {', '.join(MODES)}, one daemon")
+        reports: list[FloodReport] = run_flood_modes(
+            MODES,
+            model=model,
+            flood_requests=6 if quick else 16,
+            flood_words=20 if quick else 80,
+            interactive_requests=3 if quick else 6,
+            target_step_ms=None if quick else 800.0,
+            pool="32MiB" if quick else "128MiB",
+            max_model_len=2048,
+            flood_tier="interactive",
+            log=lambda text: say(f"  {text}"),
+        )
         for r in reports:
             preempted = ", ".join(
                 f"{tenant}: " + "/".join(f"{n} {kind}" for kind, n in kinds.items())

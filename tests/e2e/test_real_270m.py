@@ -35,7 +35,7 @@ from kvd.engine.tokenizer import ChatMessage, StreamDecoder  # noqa: E402
 from kvd.sched.batch import BatchGenerator  # noqa: E402
 from tests.server.conftest import ALICE, BOB, DaemonProcess, digest  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 README_URL = "http://127.0.0.1:8000"
 MODEL = "gemma3-270m"
