@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 kvd_ensure_venv test,bench
 status=0
-"$KVD_VENV/bin/python" -m pytest -n "${KVD_TEST_WORKERS:-2}" --dist loadfile "$@" || status=$?
+"$KVD_VENV/bin/python" -m pytest -n "${KVD_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" || status=$?
 # pytest exits 5 when it collected nothing (e.g. a -k that matches no test).
 if [ "$status" -eq 5 ]; then
     echo "pytest collected no tests" >&2

@@ -1,13 +1,16 @@
-"""The whole run shares one kvd cache directory (the assembled embedded
-model, built tokenizers, XLA's compiled programs): every engine and daemon
-the suite starts reuses what an earlier one built, and nothing is read from
-or written to the user's own cache, so a run is the same on a fresh machine
-as on a used one.
+"""Every run has its own kvd cache directory (``KVD_CACHE_DIR``: the
+assembled embedded model, built tokenizers, XLA's compiled programs): every
+engine and daemon a test process starts reuses what an earlier one built,
+and nothing is read from or written to the user's own cache, so a run is the
+same on a fresh machine as on a used one.
 
-The directory is made before any test imports kvd, in the controlling
-process; pytest-xdist's workers inherit the environment, so they share it
-(the model is assembled under a file lock, cache entries are written by
-rename). It is removed when the run ends.
+Each test process (pytest-xdist's workers, or the one process of a run
+without them) has a directory of its own inside the run's, and the daemons
+it starts use it too. Only the assembled model is shared between them (a
+``models`` link to one directory): it is written under a file lock and by
+rename. XLA's cache writes its entries in place, so a worker reading one
+that another is still writing would see it damaged: they are not shared.
+The run's directory is removed when the run ends.
 """
 
 from __future__ import annotations
@@ -19,19 +22,47 @@ from pathlib import Path
 
 import pytest
 
-_MADE_HERE = "KVD_TEST_CACHE_MADE_BY"
+_RUN_CACHE = "KVD_TEST_RUN_CACHE"
+_MADE_BY = "KVD_TEST_RUN_CACHE_MADE_BY"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("KVD_CACHE_DIR") and os.environ.get(_MADE_HERE):
-        return  # an xdist worker: the controller's directory
-    os.environ["KVD_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvd-test-cache-")
-    os.environ[_MADE_HERE] = str(os.getpid())
+    base = os.environ.get(_RUN_CACHE)
+    if base is None:  # the controlling process: xdist's workers inherit its environment
+        base = tempfile.mkdtemp(prefix="kvd-test-cache-")
+        os.environ[_RUN_CACHE] = base
+        os.environ[_MADE_BY] = str(os.getpid())
+    own = Path(base) / os.environ.get("PYTEST_XDIST_WORKER", "main")
+    own.mkdir(exist_ok=True)
+    models = Path(base) / "models"
+    models.mkdir(exist_ok=True)
+    if not (own / "models").exists():
+        (own / "models").symlink_to(models, target_is_directory=True)
+    os.environ["KVD_CACHE_DIR"] = str(own)
+
+
+# Modules that take minutes, first: xdist hands whole modules out in
+# collection order (scripts/test.sh turns its reordering by test count off),
+# so the long ones start at once and the workers finish together.
+LONG_MODULES = (
+    "tests/e2e/test_real_270m.py",
+    "tests/engine/test_tensor_parallel.py",
+    "tests/server/test_processes.py",
+    "tests/experiments/test_experiments.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return LONG_MODULES.index(path) if path in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: each module keeps its own order
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if os.environ.get(_MADE_HERE) == str(os.getpid()):
-        shutil.rmtree(os.environ["KVD_CACHE_DIR"], ignore_errors=True)
+    if os.environ.get(_MADE_BY) == str(os.getpid()):
+        shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +72,8 @@ def kvd_cache() -> Path:
 
 @pytest.fixture(scope="session")
 def daemon_env(kvd_cache: Path) -> dict[str, str]:
-    """The environment of the daemons the tests start: the run's cache, JAX
-    on the CPU with one device (a tensor-parallel check sets its own)."""
+    """The environment of the daemons the tests start: this process's cache,
+    JAX on the CPU with one device (a tensor-parallel check sets its own)."""
     env = dict(os.environ)
     env["KVD_CACHE_DIR"] = str(kvd_cache)
     env["JAX_PLATFORMS"] = "cpu"

@@ -314,9 +314,9 @@ def _daemon_figures(
 def daemon_shape(quick: bool) -> WorkloadShape:
     """The trace at a quarter of its lengths (replies at most 32 tokens): what
     this CPU serves in a couple of minutes per policy."""
-    shape = default_shape(sessions=6 if quick else 36, duration_s=6 if quick else 90, scale=0.25)
+    shape = default_shape(sessions=6 if quick else 36, duration_s=3 if quick else 90, scale=0.25)
     return msgspec.structs.replace(
-        shape, max_reply=8 if quick else 32, think_s=1.0 if quick else 3.0
+        shape, max_reply=8 if quick else 32, think_s=0.5 if quick else 3.0
     )
 
 

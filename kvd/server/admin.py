@@ -27,11 +27,11 @@ from kvd import __version__, faults
 from kvd.kv.ledger import BudgetMode
 from kvd.kv.scope import SharingPolicy
 from kvd.server.config import Config, ConfigError, TenantEntry, validate
-from kvd.server.scheduling import tenant_config
 from kvd.server.runtime import EngineFailed
+from kvd.server.scheduling import tenant_config
 from kvd.server.serving import ServerState, TenantAccess
-from kvd.server.status import Status, StatusError
 from kvd.server.state import AUDIT_KEPT, AuditEntry, LiveState, PrefixTokens, StateStore
+from kvd.server.status import Status, StatusError
 
 log = structlog.get_logger("kvd")
 _encoder = msgspec.json.Encoder()

@@ -284,7 +284,9 @@ class Daemon:
         async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
             await hypercorn_serve(
                 self.http_app,
-                hconfig, shutdown_trigger=self._http_stopped.wait, task_status=task_status
+                hconfig,
+                shutdown_trigger=self._http_stopped.wait,
+                task_status=task_status,
             )
 
         bound = await nursery.start(serve)
@@ -590,9 +592,9 @@ def startup_failure(exc: BaseException) -> str | None:
 
 
 def _expected_startup_failure(exc: BaseException) -> bool:
+    from kvd.engine.engine import EngineError
     from kvd.engine.loader import ModelLoadError
     from kvd.kv.ledger import BudgetError
-    from kvd.engine.engine import EngineError
 
     return isinstance(
         exc,

@@ -18,7 +18,6 @@ from kvd.server.scheduling import Loaded, build_scheduler, config_prefixes
 from kvd.server.state import LiveState, from_config
 from kvd.units import parse_size
 
-
 # On a CPU the pool shares RAM with everything else on the host: "auto" takes
 # at most this much there (vLLM's CPU backend defaults its KV space to 4 GiB).
 CPU_AUTO_POOL_MAX = 4 << 30
@@ -189,6 +188,4 @@ def load(
             "crossover_tokens": rates.crossover_tokens(),
         },
     )
-    return Loaded(
-        scheduler, model.tokenizer, model.config.vocab_size, pool_pages, page_bytes, live
-    )
+    return Loaded(scheduler, model.tokenizer, model.config.vocab_size, pool_pages, page_bytes, live)

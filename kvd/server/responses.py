@@ -12,7 +12,7 @@ logs ``request.finish`` once.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -70,7 +70,7 @@ class Relay:
 
     # -- tokens --------------------------------------------------------------------
 
-    async def deltas(self) -> AsyncIterator[tuple[str, int, str | None]]:
+    async def deltas(self) -> AsyncGenerator[tuple[str, int, str | None]]:
         """(new text, how many new tokens, finish reason or None), as they
         come: every token waiting when the reader wakes is taken at once, so
         a client that reads slower than the engine steps gets fewer, larger
@@ -223,7 +223,7 @@ class Relay:
                 retry_after=1,
             )
 
-    async def sse(self) -> AsyncIterator[bytes]:
+    async def sse(self) -> AsyncGenerator[bytes]:
         sent_text = 0
         try:
             if self.chat:

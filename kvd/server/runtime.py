@@ -20,11 +20,13 @@ own (the scheduler's ``error`` events) ends that request alone.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -154,7 +156,9 @@ class Runtime:
                 retry_after=2.0,
             )
         send, receive = trio.open_memory_channel[StepEvent](math.inf)
-        ticket = Ticket(request_id or uuid.uuid4().hex, tenant, send, receive, arrival or self.clock())
+        ticket = Ticket(
+            request_id or uuid.uuid4().hex, tenant, send, receive, arrival or self.clock()
+        )
         self._live[ticket.request_id] = ticket
         self._idle = trio.Event() if self._idle.is_set() else self._idle
 
@@ -211,7 +215,7 @@ class Runtime:
         tickets = list(self._live.values())
         for ticket in tickets:
             self._end(ticket, "abort")
-            self._post(lambda ticket=ticket: self.scheduler.cancel(ticket.request_id))
+            self._post(functools.partial(self.scheduler.cancel, ticket.request_id))
             ticket.accepted.set()
         return len(tickets)
 
@@ -416,7 +420,7 @@ class Runtime:
 
 async def waiting_batches(
     events: trio.MemoryReceiveChannel[StepEvent],
-) -> AsyncIterator[list[StepEvent]]:
+) -> AsyncGenerator[list[StepEvent]]:
     """The events of a channel, every one waiting when the reader wakes as
     one list: a reader slower than the engine catches up in one go. It ends
     when the channel has been closed (the request ended) and emptied."""

@@ -16,7 +16,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import structlog
 import trio
-from quart.testing import QuartClient
+from quart.typing import TestClientProtocol
 
 from kvd.engine.loader import embedded_tokenizer, random_model_config
 from kvd.engine.tokenizer import Tokenizer
@@ -126,11 +126,11 @@ class Served:
     """One in-process daemon and its two apps' test clients."""
 
     daemon: Daemon
-    http: QuartClient
-    admin: QuartClient
+    http: TestClientProtocol
+    admin: TestClientProtocol
     executors: list[SimulatedExecutor]
     config_path: Path
-    logs: list[dict[str, Any]] = field(default_factory=list)
+    logs: list[MutableMapping[str, Any]] = field(default_factory=list)
     exits: list[int] = field(default_factory=list)  # exits deadlines would have taken
 
     @property
@@ -162,7 +162,7 @@ class Served:
         headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
         headers |= kw.pop("headers", {})
         data = body if isinstance(body, bytes | str) else json.dumps(body)
-        transport = httpx.ASGITransport(app=self.daemon.http_app)
+        transport = httpx.ASGITransport(app=self.daemon.http_app)  # type: ignore[arg-type]
         async with httpx.AsyncClient(transport=transport, base_url="http://kvd") as client:
             response = await client.post(
                 path,
@@ -184,9 +184,9 @@ class Served:
         return body  # type: ignore[no-any-return]
 
     async def metrics(self) -> dict[str, float]:
-        return parse_metrics((await (await self.admin.get("/metrics")).get_data()).decode())
+        return parse_metrics(await (await self.admin.get("/metrics")).get_data(as_text=True))
 
-    def named(self, event: str) -> list[dict[str, Any]]:
+    def named(self, event: str) -> list[MutableMapping[str, Any]]:
         return [e for e in self.logs if e.get("event") == event]
 
     async def settled(self) -> None:

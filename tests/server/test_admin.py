@@ -206,7 +206,12 @@ async def test_isolated_policy_stops_public_prefix_hits(served: Served) -> None:
     assert (await served.admin_json("delete", "/v1/prefixes/sys"))[0] == 200
     assert await served.admin_json("get", "/v1/prefixes") == (200, [])
     code, audit = await served.admin_json("get", "/v1/audit")
-    assert [e["op"] for e in audit] == ["prefix.add", "sharing.policy", "cache.flush", "prefix.remove"]
+    assert [e["op"] for e in audit] == [
+        "prefix.add",
+        "sharing.policy",
+        "cache.flush",
+        "prefix.remove",
+    ]
     assert served.named("admin.audit")[0]["op"] == "prefix.add"
     await served.assert_whole()
 

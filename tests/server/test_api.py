@@ -27,12 +27,12 @@ async def served(tmp_path: Any) -> AsyncIterator[Served]:
 
 
 def client(served: Served, key: str = ALICE) -> openai.AsyncOpenAI:
-    transport = httpx.ASGITransport(app=served.daemon.http_app)
+    transport = httpx.ASGITransport(app=served.daemon.http_app)  # type: ignore[arg-type]
     return openai.AsyncOpenAI(
         base_url="http://kvd/v1",
         api_key=key,
         max_retries=0,
-        http_client=httpx.AsyncClient(transport=transport, base_url="http://kvd"),
+        http_client=httpx.AsyncClient(transport=transport, base_url="http://kvd"),  # type: ignore[arg-type]
     )
 
 
@@ -49,7 +49,9 @@ async def test_health_ready_models(served: Served) -> None:
     models = await oai.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert (await oai.models.retrieve(MODEL)).id == MODEL
-    missing = await served.http.get("/v1/models/gpt-4", headers={"Authorization": f"Bearer {ALICE}"})
+    missing = await served.http.get(
+        "/v1/models/gpt-4", headers={"Authorization": f"Bearer {ALICE}"}
+    )
     assert missing.status_code == 404
     assert (await served.http.get("/nowhere")).status_code == 404
     assert (await served.http.get("/v1/completions")).status_code == 405
@@ -263,7 +265,7 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "priority": 9}, 400, "priority"),
     ("/v1/completions", {"prompt": "x"}, 400, None),
-    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", [1, 2], 400, None),  # type: ignore[list-item]
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     (
         "/v1/chat/completions",
@@ -444,7 +446,7 @@ async def test_developer_role_is_a_system_message(served: Served) -> None:
         reply = await client(served).chat.completions.create(
             model=MODEL,
             messages=[
-                {"role": role, "content": "Answer in one word."},  # type: ignore[misc]
+                {"role": role, "content": "Answer in one word."},  # type: ignore[misc,list-item]
                 {"role": "user", "content": "Colour of the sky?"},
             ],
             max_tokens=1,

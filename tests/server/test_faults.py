@@ -49,7 +49,9 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
         yield daemon
 
 
-async def text_of(served: Served, prompt: str = PROMPT, max_tokens: int = 24, key: str = ALICE) -> str:
+async def text_of(
+    served: Served, prompt: str = PROMPT, max_tokens: int = 24, key: str = ALICE
+) -> str:
     response = await served.complete(key, prompt, max_tokens=max_tokens)
     body = await response.get_json()
     assert response.status_code == 200, body

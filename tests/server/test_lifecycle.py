@@ -176,7 +176,7 @@ async def test_start_up_failures_say_why_in_one_line(
     anything is compiled), an address in use, a malformed or unauthorised
     fault spec (refused before anything is loaded)."""
 
-    async def failure(config_path: Path, **kw: Any) -> tuple[str | None, list[dict[str, Any]]]:
+    async def failure(config_path: Path, **kw: Any) -> tuple[str | None, list[Any]]:
         daemon = Daemon(
             load_config(config_path),
             describe_device=lambda: DEVICE,

@@ -302,8 +302,10 @@ def test_kill_9_then_an_engine_failure_then_a_damaged_cache(
     4. a torn state file: the start is refused in one line, exit 1, and the
        file is left as it was.
 
-    The cache is this test's own, so the damage touches no other test."""
+    The compile cache is this test's own, so the damage touches no other test."""
     cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "models").symlink_to(Path(daemon_env["KVD_CACHE_DIR"]) / "models")
     env = daemon_env | {"KVD_CACHE_DIR": str(cache)}
     config = write_config(tmp_path / "kvd.toml", drain_timeout=30.0, max_model_len=2048)
     first = DaemonProcess(config, env | {"KVD_TESTING": "1", "KVD_FAULTS": ""})
