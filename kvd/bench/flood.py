@@ -17,13 +17,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvd.bench.daemon import LoggedDaemon, stream_completion
 from kvd.bench.http import percentile
 from kvd.bench.kv import machine_description
+
+if TYPE_CHECKING:
+    from kvctl.admin import Client
 
 BULK_KEY = "kvd-flood-bulk"
 INTER_KEY = "kvd-flood-inter"
@@ -187,11 +190,11 @@ def run_flood_modes(
             for mode in modes:
                 _set_mode(admin, mode)
                 log(f"budget mode {mode}")
-                report = _measure(daemon, url, bulk_prompts, inter_prompts, log)
+                measured = _measure(daemon, url, bulk_prompts, inter_prompts, log)
                 reports.append(
                     _report(
-                        daemon.events[report.mark :],
-                        report,
+                        daemon.events[measured.mark :],
+                        measured,
                         model=model,
                         mode=mode,
                         flood_tier=flood_tier,
@@ -204,7 +207,7 @@ def run_flood_modes(
     return reports
 
 
-def _set_mode(admin: Any, mode: str) -> None:
+def _set_mode(admin: Client, mode: str) -> None:
     """Static partitions hold nothing beyond a reservation: there the flooder
     reserves 70% (every other mode, none). Ordered so that the reservations
     always fit the mode they are checked under."""

@@ -20,6 +20,7 @@ one more, the shipped configuration on the real 270M):
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import tempfile
@@ -302,11 +303,10 @@ def test_kill_9_then_an_engine_failure_then_a_damaged_cache(
     4. a torn state file: the start is refused in one line, exit 1, and the
        file is left as it was.
 
-    The compile cache is this test's own, so the damage touches no other test."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "models").symlink_to(Path(daemon_env["KVD_CACHE_DIR"]) / "models")
-    env = daemon_env | {"KVD_CACHE_DIR": str(cache)}
+    The compile cache is this test process's own (no other process reads
+    it meanwhile), and it is put back as it was after."""
+    cache = Path(daemon_env["KVD_CACHE_DIR"])  # this test process's own (tests/conftest.py)
+    env = daemon_env
     config = write_config(tmp_path / "kvd.toml", drain_timeout=30.0, max_model_len=2048)
     first = DaemonProcess(config, env | {"KVD_TESTING": "1", "KVD_FAULTS": ""})
     try:
@@ -380,7 +380,10 @@ def test_kill_9_then_an_engine_failure_then_a_damaged_cache(
     assert any(t.startswith("STOPPING=1") and "failed" in t for t in texts), texts
 
     garbage = b"not a compiled program"
-    entries = list((cache / "xla").iterdir())
+    xla = cache / "xla"
+    backup = tmp_path / "xla-backup"
+    shutil.copytree(xla, backup)
+    entries = list(xla.iterdir())
     assert entries
     for entry in entries:
         entry.write_bytes(garbage)
@@ -404,12 +407,14 @@ def test_kill_9_then_an_engine_failure_then_a_damaged_cache(
         code = third.proc.wait(timeout=10)
         assert time.monotonic() - sent < 5.0  # at once, against a 30 s drain
         join([long])
+        # Healed: what the start read is written again, whole.
+        rewritten = [p for p in xla.iterdir() if p.read_bytes() != garbage]
+        assert len(rewritten) >= len(dropped)
     finally:
         third.kill()
+        shutil.rmtree(xla)
+        shutil.move(backup, xla)
     assert code == 1
-    # Healed: what the start read is written again, whole.
-    rewritten = [p for p in (cache / "xla").iterdir() if p.read_bytes() != garbage]
-    assert len(rewritten) >= len(dropped)
 
     state = tmp_path / "state.json"
     good = state.read_bytes()
