@@ -1,9 +1,11 @@
-"""Real daemons for the server tests: ``kvd serve`` in a subprocess on
-127.0.0.1 (port 0: the OS picks), its JSON log lines read from stdout.
+"""The server tests' shared pieces: the demo keys, the tiny config, and a
+real ``kvd serve`` in a subprocess on 127.0.0.1 (port 0: the OS picks), its
+JSON log lines read from stdout, for the few tests where the process is the
+subject (test_processes.py, tests/e2e).
 
-All daemons of a run share its cache directory (tests/conftest.py), so the
-embedded model is assembled once and compiled programs are reused from JAX's
-persistent cache.
+The daemons a test process starts share its cache directory
+(tests/conftest.py): the embedded model is assembled once per run and
+compiled programs are reused from JAX's persistent cache.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 ALICE, BOB, CAROL = "kvd-dev-alice", "kvd-dev-bob", "kvd-test-carol"
 DaemonEnv = dict[str, str]
@@ -247,30 +248,3 @@ def write_config(path: Path, **values: Any) -> Path:
     } | values
     path.write_text(TINY_CONFIG.format(**settings))
     return path
-
-
-@pytest.fixture
-def start_daemon(tmp_path: Path, daemon_env: dict[str, str]) -> Iterator[Any]:
-    """Start tiny-model daemons for one test; all are stopped after it."""
-    started: list[DaemonProcess] = []
-
-    def start(**values: Any) -> DaemonProcess:
-        config = write_config(tmp_path / f"kvd-{len(started)}.toml", **values)
-        daemon = DaemonProcess(config, daemon_env)
-        started.append(daemon)
-        return daemon
-
-    yield start
-    for daemon in started:
-        daemon.kill()
-
-
-@pytest.fixture(scope="module")
-def tiny_daemon(
-    tmp_path_factory: pytest.TempPathFactory, daemon_env: dict[str, str]
-) -> Iterator[DaemonProcess]:
-    """One tiny-model daemon shared by a module's tests."""
-    config = write_config(tmp_path_factory.mktemp("kvd-config") / "kvd.toml")
-    daemon = DaemonProcess(config, daemon_env)
-    yield daemon
-    assert daemon.terminate() == 0, daemon.tail()
