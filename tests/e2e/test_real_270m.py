@@ -28,11 +28,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from kvd.engine.batching import sliding_ring  # noqa: E402
 from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
 from kvd.engine.loader import LoadedModel, embedded_gguf_path, load_model  # noqa: E402
 from kvd.engine.sampling import SamplingParams  # noqa: E402
 from kvd.engine.tokenizer import ChatMessage, StreamDecoder  # noqa: E402
 from kvd.sched.batch import BatchGenerator  # noqa: E402
+from kvd.server.config import load_config  # noqa: E402
 from tests.server.conftest import ALICE, BOB, DaemonProcess, digest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -250,26 +252,31 @@ def test_chat_format(model: LoadedModel) -> None:
     )
 
 
-def test_long_prompt_matches_transformers(model: LoadedModel, oracle: Any) -> None:
-    """A prompt of over 2,000 tokens, prefilled in 512-token chunks through ring
-    tables (the sliding layers' window is 512) and then decoded: greedy tokens
-    equal transformers' (which attends over the whole prompt at once)."""
+def test_long_prompt_matches_transformers(
+    shipped: DaemonProcess, engine: Engine, model: LoadedModel, oracle: Any
+) -> None:
+    """A prompt of over 2,000 tokens through the shipped daemon, prefilled in
+    512-token chunks (its max_num_batched_tokens) through ring tables (the
+    sliding layers' window is 512, its context 4,096) and then decoded:
+    greedy tokens equal transformers' (which attends over the whole prompt
+    at once)."""
+    config = load_config(REPO / "etc" / "kvd.toml")
+    step_tokens, context = config.model.max_num_batched_tokens, config.model.max_model_len
+    assert (step_tokens, context) == (512, 4096)
+    ring = sliding_ring(engine.layout, step_tokens)  # the same model and block size
+    assert 0 < ring < context // config.pool.block_size  # the sliding tables are rings
     text = "".join(f"Item {i}: the square of {i} is {i * i}.\n" for i in range(1, 112))
     prompt = model.tokenizer.encode(text)
     assert len(prompt) > 2000
-    config = EngineConfig(
-        max_model_len=2560, max_num_batched_tokens=512, max_num_seqs=2, pool_tokens=2816
-    )
-    engine = Engine(model, config)
-    assert 0 < engine.sliding_ring < 2560 // config.block_size
-    generator = BatchGenerator(engine)
-    result = generator.generate([prompt], [greedy(16)])[0]
+    with openai.OpenAI(base_url=f"{shipped.url}/v1", api_key=ALICE, max_retries=0) as oai:
+        got = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    assert got.usage is not None and got.usage.prompt_tokens == len(prompt)
     with torch.no_grad():
         out = oracle.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    assert result.completion_ids == out[0, len(prompt) :].tolist()[: len(result.completion_ids)]
-    assert len(result.completion_ids) == 16 or result.finish_reason == "stop"
-    generator.kv.check_invariants()
-    assert generator.kv.pool.num_referenced() == 0
+    expected = out[0, len(prompt) :].tolist()[: got.usage.completion_tokens]
+    assert got.choices[0].text == model.tokenizer.decode(expected)
+    assert got.usage.completion_tokens == 16 or got.choices[0].finish_reason == "stop"
+    shipped.wait_pages_released()
 
 
 # -- the shipped daemon, against the engine and as the README shows it ------------------

@@ -86,7 +86,10 @@ def server_case() -> dict[str, object]:
     from tests.server.harness import serving
 
     async def answer(directory: Path, devices: int) -> str:
-        async with serving(directory, loader=load_engine, tensor_parallel=devices) as served:
+        # A short context: few shape buckets to compile at warm-up.
+        async with serving(
+            directory, loader=load_engine, tensor_parallel=devices, max_model_len=64
+        ) as served:
             reply = await served.complete(prompt="Split me in two", max_tokens=12)
             body = await reply.get_json()
             assert reply.status_code == 200, body
