@@ -411,16 +411,16 @@ def bench_flood(
     as_json: bool,
 ) -> None:
     """Time isolation: a reserved interactive tenant under a batch tenant's flood."""
-    from kvd.bench.flood import render, run_flood_bench
+    from kvd.bench.flood import render, run_flood_modes
 
-    report = run_flood_bench(
-        model,
-        flood_requests,
-        flood_words,
-        interactive,
-        None if no_target else target_step_ms,
-        pool,
-        mode=mode,
+    (report,) = run_flood_modes(
+        (mode,),
+        model=model,
+        flood_requests=flood_requests,
+        flood_words=flood_words,
+        interactive_requests=interactive,
+        target_step_ms=None if no_target else target_step_ms,
+        pool=pool,
         flood_tier=flood_tier,
         log=lambda t: click.echo(t, err=True),
     )

@@ -122,34 +122,6 @@ def _complete(url: str, key: str, prompt: str, max_tokens: int) -> tuple[str, fl
     return done.text, done.ttft_s
 
 
-def run_flood_bench(
-    model: str = "gemma3-270m",
-    flood_requests: int = 24,
-    flood_words: int = 100,
-    interactive_requests: int = 8,
-    target_step_ms: float | None = 2000.0,
-    pool: str = "256MiB",
-    max_model_len: int = 2048,
-    mode: str = "reserve",
-    flood_tier: str = "batch",
-    log: Callable[[str], None] = lambda _text: None,
-) -> FloodReport:
-    """One daemon in budget ``mode``, one measured run."""
-    (report,) = run_flood_modes(
-        (mode,),
-        model=model,
-        flood_requests=flood_requests,
-        flood_words=flood_words,
-        interactive_requests=interactive_requests,
-        target_step_ms=target_step_ms,
-        pool=pool,
-        max_model_len=max_model_len,
-        flood_tier=flood_tier,
-        log=log,
-    )
-    return report
-
-
 def run_flood_modes(
     modes: tuple[str, ...],
     *,
@@ -163,7 +135,8 @@ def run_flood_modes(
     flood_tier: str = "batch",
     log: Callable[[str], None] = lambda _text: None,
 ) -> list[FloodReport]:
-    """One daemon, a measured run per budget mode in turn: the mode (and the
+    """One daemon, a measured run per budget mode in turn (``kvd bench
+    flood`` runs one, the isolation experiment all three): the mode (and the
     flooder's reservation, which static needs) set live over the admin
     socket, as an operator would, with the cache flushed between runs."""
     from kvctl.admin import Client
