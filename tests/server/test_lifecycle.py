@@ -79,7 +79,7 @@ async def test_a_stop_drains_what_finishes_and_aborts_what_is_left(tmp_path: Pat
     requests are refused with Retry-After and /ready says draining; the
     requests in flight get ``drain_timeout``; what is left is aborted with an
     error event, its pages released, and the pool is whole."""
-    async with serving(tmp_path, drain_timeout=1.0, max_model_len=2048) as served:
+    async with serving(tmp_path, drain_timeout=2.0, max_model_len=2048) as served:
         faults.armed = faults.parse("step:slow@1+")  # 50 ms a step: 2,000 tokens take 100 s
         replies: list[Reply | None] = [None] * 6
 
