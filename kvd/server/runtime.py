@@ -21,7 +21,6 @@ own (the scheduler's ``error`` events) ends that request alone.
 from __future__ import annotations
 
 import functools
-
 import math
 import time
 import uuid

@@ -205,6 +205,14 @@ class Served:
         kv.check_invariants()
 
 
+async def until(condition: Callable[[], object], what: str, timeout: float = 30) -> None:
+    """Poll ``condition`` on the event loop until it holds (tests wait for
+    states, never for a fixed time); fails after ``timeout`` seconds."""
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+
+
 async def kvctl(served: Served, *args: str) -> subprocess.CompletedProcess[bytes]:
     """The real kvctl, in a subprocess, on the daemon's admin socket (the
     event loop keeps serving while it runs)."""

@@ -19,7 +19,7 @@ import trio
 
 from kvd.server.state import StateError
 from tests.server.conftest import ALICE, BOB
-from tests.server.harness import Served, kvctl, serving
+from tests.server.harness import Served, kvctl, serving, until
 
 DAVE = "kvd-test-dave"
 
@@ -350,8 +350,7 @@ async def test_the_os_refuses_a_user_without_access(tmp_path: Path) -> None:
 async def test_a_removed_admin_socket_directory_is_made_again(tmp_path: Path) -> None:
     async with serving(tmp_path, admin_socket=True) as served:
         shutil.rmtree(served.daemon.admin_socket.parent)
-        while not served.named("admin.socket_restored"):
-            await trio.sleep(0.05)
+        await until(lambda: served.named("admin.socket_restored"), "the socket bound again")
         assert served.named("admin.socket_lost")
         result = await kvctl(served, "status", "--json")
         assert result.returncode == 0, result.stderr

@@ -24,7 +24,7 @@ import trio
 
 from kvd import faults
 from tests.server.conftest import ALICE, BOB
-from tests.server.harness import MODEL, Served, serving
+from tests.server.harness import MODEL, Served, serving, until
 
 PROMPT = "the fault matrix asks the same question twice:"
 DAVE = "kvd-test-dave"
@@ -200,9 +200,10 @@ async def test_clients_vanishing_mid_stream_or_before_leak_nothing(tmp_path: Pat
             await stream.aclose()
         # Every request that reached a handler ends (one closed before its
         # request was read never does).
-        with trio.fail_after(30):
-            while len(served.named("request.finish")) < len(served.named("request.accepted")):
-                await trio.sleep(0.01)
+        await until(
+            lambda: len(served.named("request.finish")) >= len(served.named("request.accepted")),
+            "every accepted request finished",
+        )
         outcomes = [e["outcome"] for e in served.named("request.finish")[1:]]
         assert outcomes.count("disconnected") >= 6, outcomes
         await assert_whole(served, before)
@@ -233,8 +234,10 @@ async def test_an_engine_failure_answers_everyone_and_arms_the_exit(
         for lines in streams:
             error = error_event(lines)
             assert error["code"] == "engine_failed" and cause in error["message"], error
-        while served.daemon.failure is None or not served.named("lifecycle.failed"):
-            await trio.sleep(0.01)  # the engine task's end reaches the daemon
+        await until(  # the engine task's end reaches the daemon
+            lambda: served.daemon.failure is not None and served.named("lifecycle.failed"),
+            "the daemon heard of the failure",
+        )
         ready = await served.http.get("/ready")
         assert ready.status_code == 503
         body = await ready.get_json()
@@ -250,9 +253,7 @@ async def test_an_engine_failure_answers_everyone_and_arms_the_exit(
             assert "did not finish within 0.5 s" in failed["error"]
         assert served.named("engine.failed")
         assert (await served.metrics())["kvd_engine_failures_total"] == 1
-        with trio.fail_after(30):
-            while not served.exits:  # the deadline that makes sure it leaves
-                await trio.sleep(0.05)
+        await until(lambda: served.exits, "the deadline that makes sure it leaves")
         assert served.exits == [1]
     async with serving(tmp_path, config_path=served.config_path) as restarted:
         status = await restarted.status()

@@ -24,7 +24,7 @@ from kvd.sched.simulated import SimulatedExecutor
 from kvd.server.config import load_config
 from kvd.server.daemon import Daemon, load_engine, startup_failure
 from tests.server.conftest import ALICE, BOB, write_config
-from tests.server.harness import DEVICE, Reply, Served, serving, simulated_loader
+from tests.server.harness import DEVICE, Reply, Served, serving, simulated_loader, until
 
 
 @pytest.fixture(autouse=True)
@@ -32,13 +32,6 @@ def disarmed() -> Iterator[None]:
     faults.armed = None
     yield
     faults.armed = None
-
-
-async def until(condition: Any, what: str, timeout: float = 30) -> None:
-    """Poll ``condition`` (on the event loop) until it holds."""
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.01)
 
 
 async def held(served: Served, count: int) -> None:

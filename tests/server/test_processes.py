@@ -23,6 +23,8 @@ import json
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -50,10 +52,7 @@ PROMPT = "the fault matrix asks the same question twice:"
 ANSWERED_WITHIN_S = 5.0  # every request answered this soon after an engine failure
 
 
-def kvctl(daemon: DaemonProcess, *args: str) -> Any:
-    import subprocess
-    import sys
-
+def kvctl(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvctl.cli", "--socket", str(daemon.admin_socket), *args],
         capture_output=True,
