@@ -411,6 +411,7 @@ def bench_flood(
     as_json: bool,
 ) -> None:
     """Time isolation: a reserved interactive tenant under a batch tenant's flood."""
+    from kvd.bench.daemon import DaemonShape
     from kvd.bench.flood import render, run_flood_modes
 
     (report,) = run_flood_modes(
@@ -420,7 +421,7 @@ def bench_flood(
         flood_words=flood_words,
         interactive_requests=interactive,
         target_step_ms=None if no_target else target_step_ms,
-        pool=pool,
+        shape=DaemonShape(2048, pool=pool),
         flood_tier=flood_tier,
         log=lambda t: click.echo(t, err=True),
     )

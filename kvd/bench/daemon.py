@@ -16,6 +16,30 @@ from typing import Any
 import msgspec
 
 
+class DaemonShape(msgspec.Struct, frozen=True):
+    """A benchmark daemon's engine and pool: what its warm-up compiles."""
+
+    max_model_len: int
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    pool: str = "256MiB"
+
+    def toml(self) -> str:
+        """Its keys of the [model] section (the pool's size is ``pool``)."""
+        return (
+            f"max_model_len = {self.max_model_len}\n"
+            f"max_num_seqs = {self.max_num_seqs}\n"
+            f"max_num_batched_tokens = {self.max_num_batched_tokens}\n"
+        )
+
+
+# The experiments' quick daemons (a short trace of prompts under 700 tokens,
+# on the random model): a short context and small steps, 12 programs to
+# compile instead of 16 larger ones, and one shape for all of them, so every
+# daemon after the first reads its programs from the compile cache.
+QUICK_DAEMON = DaemonShape(1024, 16, 128, "32MiB")
+
+
 class LoggedDaemon:
     """``kvd serve`` as a subprocess whose JSON log lines are kept."""
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvd.bench.daemon import LoggedDaemon, stream_completion
+from kvd.bench.daemon import DaemonShape, LoggedDaemon, stream_completion
 from kvd.bench.http import percentile
 from kvd.bench.kv import machine_description
 
@@ -59,8 +59,7 @@ class FloodReport(msgspec.Struct, frozen=True):
 
 def _config(
     model: str,
-    max_model_len: int,
-    pool: str,
+    shape: DaemonShape,
     target: float | None,
     sock: str,
     mode: str,
@@ -83,12 +82,9 @@ queue_timeout = 3600
 [model]
 source = "{model}"
 name = "flood"
-max_model_len = {max_model_len}
-max_num_seqs = 32
-max_num_batched_tokens = 512
-
+{shape.toml()}
 [pool]
-size = "{pool}"
+size = "{shape.pool}"
 
 [budget]
 mode = "{mode}"
@@ -130,8 +126,7 @@ def run_flood_modes(
     flood_words: int = 100,
     interactive_requests: int = 8,
     target_step_ms: float | None = 2000.0,
-    pool: str = "256MiB",
-    max_model_len: int = 2048,
+    shape: DaemonShape,
     flood_tier: str = "batch",
     log: Callable[[str], None] = lambda _text: None,
 ) -> list[FloodReport]:
@@ -152,9 +147,7 @@ def run_flood_modes(
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "flood.toml"
         sock = f"{tmp}/a.sock"
-        config.write_text(
-            _config(model, max_model_len, pool, target_step_ms, sock, modes[0], flood_tier)
-        )
+        config.write_text(_config(model, shape, target_step_ms, sock, modes[0], flood_tier))
         log(f"starting kvd serve ({model}), target_step_ms={target_step_ms}")
         daemon = LoggedDaemon(config)
         try:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvd.bench.daemon import QUICK_DAEMON, DaemonShape
 from kvd.bench.flood import FloodReport, run_flood_modes
 from kvd.experiments.results import ExperimentResult, Say, new_result, pyplot, save_plot, timed
 
@@ -50,8 +51,7 @@ def run(out: Path, quick: bool, say: Say, model: str | None = None) -> Experimen
             flood_words=20 if quick else 80,
             interactive_requests=3 if quick else 6,
             target_step_ms=None if quick else 800.0,
-            pool="32MiB" if quick else "128MiB",
-            max_model_len=2048,
+            shape=QUICK_DAEMON if quick else DaemonShape(2048, pool="128MiB"),
             flood_tier="interactive",
             log=lambda text: say(f"  {text}"),
         )

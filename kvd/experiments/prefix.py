@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from kvd.bench.daemon import Completion, LoggedDaemon, stream_completion
+from kvd.bench.daemon import QUICK_DAEMON, Completion, DaemonShape, LoggedDaemon, stream_completion
 from kvd.bench.http import percentile
 from kvd.experiments.replay import (
     CacheEvent,
@@ -127,7 +127,9 @@ def _key(tenant: str) -> str:
     return f"kvd-exp-{tenant}"
 
 
-def _daemon_config(model: str, tenants: list[str], policy: str, platform: str, sock: str) -> str:
+def _daemon_config(
+    model: str, tenants: list[str], policy: str, platform: str, sock: str, shape: DaemonShape
+) -> str:
     lines = [
         "[server]",
         'listen = "127.0.0.1:0"',
@@ -139,10 +141,9 @@ def _daemon_config(model: str, tenants: list[str], policy: str, platform: str, s
         "[model]",
         f'source = "{model}"',
         'name = "exp"',
-        "max_model_len = 4096",
-        "",
+        shape.toml(),
         "[pool]",
-        'size = "256MiB"',
+        f'size = "{shape.pool}"',
         "",
         "[sharing]",
         f'policy = "{policy}"',
@@ -250,7 +251,11 @@ def daemon_ideal(
 
 
 def daemon_runs(
-    model: str, sessions: list[Session], time_scale: float, say: Say
+    model: str,
+    sessions: list[Session],
+    time_scale: float,
+    say: Say,
+    shape: DaemonShape,
 ) -> list[PolicyFigures]:
     """One daemon, every policy in turn: set live over the admin socket, as an
     operator would, with the cache flushed between runs."""
@@ -268,7 +273,7 @@ def daemon_runs(
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "prefix.toml"
         sock = f"{tmp}/a.sock"
-        config.write_text(_daemon_config(model, tenants, "public", platform, sock))
+        config.write_text(_daemon_config(model, tenants, "public", platform, sock, shape))
         say(f"  starting kvd serve ({model})")
         daemon = LoggedDaemon(config)
         try:
@@ -340,6 +345,7 @@ def run(out: Path, quick: bool, say: Say, model: str | None = None) -> Experimen
     with timed(result):
         model = model or ("random" if quick else "gemma3-270m")
         live_sessions = generate(daemon_shape(quick))
+        engine_shape = QUICK_DAEMON if quick else DaemonShape(4096)
         core_shape = default_shape(sessions=16, duration_s=40) if quick else default_shape()
         core_sessions = generate(core_shape)
         figures: list[PolicyFigures] = []
@@ -347,7 +353,7 @@ def run(out: Path, quick: bool, say: Say, model: str | None = None) -> Experimen
         for policy, salts in RUNS:
             figures.append(kv_core_run(core_sessions, policy, salts))
         say(f"the real daemon ({model}): {total_requests(live_sessions)} requests per policy")
-        figures += daemon_runs(model, live_sessions, 1.0, say)
+        figures += daemon_runs(model, live_sessions, 1.0, say, engine_shape)
         for f in figures:
             result.rows.append(
                 [
@@ -365,6 +371,7 @@ def run(out: Path, quick: bool, say: Say, model: str | None = None) -> Experimen
         result.data = {
             "daemon_model": model,
             "daemon_shape": msgspec.to_builtins(daemon_shape(quick)),
+            "daemon_engine": msgspec.to_builtins(engine_shape),
             "kv_core_shape": msgspec.to_builtins(core_shape),
             "runs": msgspec.to_builtins(figures),
         }

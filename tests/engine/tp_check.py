@@ -1,16 +1,21 @@
 """Run as a script with several (simulated) devices: the sharded engine next
 to the single-device one on the same model, for each case named; prints one
-JSON object, keyed by case. ``server`` is the daemon (its real loader, the
-HTTP app) with ``tensor_parallel = 2`` next to one with 1.
+JSON object, keyed by case:
+
+- ``tiny``: a random model with 6 KV heads, so its pool is split by head over
+  2 devices (3 a device) and replicated over 4;
+- ``real``: the 270M's greedy tokens over 2 devices;
+- ``server``: the daemon (its real loader, the HTTP app) with
+  ``tensor_parallel = 2``, its greedy text next to the single-device engine's
+  (``real`` runs first and builds that engine).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 \
-        python -m tests.engine.tp_check tiny-kv4,tiny-kv1,real,server 2,4
+        python -m tests.engine.tp_check
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from functools import partial
 
 import jax
@@ -30,16 +35,19 @@ from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
 from kvd.sched.batch import BatchGenerator
 
+SERVER_PROMPT = "Split me in two"
+SERVER_TOKENS = 12
 
-def tiny(kv_heads: int) -> LoadedModel:
+
+def tiny() -> LoadedModel:
     config = ModelConfig(
-        name=f"tiny-kv{kv_heads}",
+        name="tiny-kv6",
         family="gemma3",
         vocab_size=96,
         hidden_size=64,
         intermediate_size=128,
-        num_heads=8,
-        num_kv_heads=kv_heads,
+        num_heads=12,
+        num_kv_heads=6,
         head_dim=16,
         layer_kinds=interleaved_kinds(6, 3),
         sliding_window=12,
@@ -75,8 +83,8 @@ def decode_logits(engine: Engine, prompts: list[list[int]]) -> np.ndarray:
     return np.asarray(logits)[: len(prompts)]
 
 
-def server_case() -> dict[str, object]:
-    """The same greedy text from a daemon split over two devices."""
+def server_case(reference: Engine) -> dict[str, object]:
+    """The daemon split over two devices gives the single-device engine's greedy text."""
     import tempfile
     from pathlib import Path
 
@@ -85,51 +93,39 @@ def server_case() -> dict[str, object]:
     from kvd.server.daemon import load_engine
     from tests.server.harness import serving
 
-    async def answer(directory: Path, devices: int) -> str:
+    async def answer(directory: Path) -> str:
         # A short context: few shape buckets to compile at warm-up.
         async with serving(
-            directory, loader=load_engine, tensor_parallel=devices, max_model_len=64
+            directory, loader=load_engine, tensor_parallel=2, max_model_len=64
         ) as served:
-            reply = await served.complete(prompt="Split me in two", max_tokens=12)
+            reply = await served.complete(prompt=SERVER_PROMPT, max_tokens=SERVER_TOKENS)
             body = await reply.get_json()
             assert reply.status_code == 200, body
             await served.assert_whole()
             return str(body["choices"][0]["text"])
 
-    texts = []
-    for devices in (1, 2):
-        with tempfile.TemporaryDirectory() as directory:
-            texts.append(trio.run(answer, Path(directory), devices))
-    return {"same_text": texts[0] == texts[1], "texts": texts}
+    tokenizer = reference.model.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=SERVER_TOKENS)
+    (one,) = BatchGenerator(reference).generate([tokenizer.encode(SERVER_PROMPT)], [greedy])
+    with tempfile.TemporaryDirectory() as directory:
+        text = trio.run(answer, Path(directory))
+    expected = tokenizer.decode(one.completion_ids)
+    return {"same_text": text == expected, "texts": [expected, text]}
 
 
-def main(case: str, sizes: list[int]) -> dict[str, object]:
-    if case == "server":
-        return server_case()
-    if case == "real":
-        model = load_model("gemma3-270m", "float32")
-        prompts = [
-            model.tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):")
-        ]
-        config = EngineConfig(
-            max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, pool_tokens=2048
-        )
-        new = 24
-    else:
-        model = tiny(int(case.removeprefix("tiny-kv")))
-        prompts = [[2, *range(10, 30)], [2, 5, 7], [2, *range(40, 49)]]
-        config = EngineConfig(
-            block_size=4,
-            max_model_len=128,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            pool_tokens=512,
-        )
-        new = 30  # decodes well past the 12-token window
+def compare(
+    model: LoadedModel,
+    config: EngineConfig,
+    prompts: list[list[int]],
+    new: int,
+    sizes: tuple[int, ...],
+    with_logits: bool,
+) -> tuple[Engine, dict[str, object]]:
+    """The single-device engine, and for each size how the sharded one compares."""
     greedy = SamplingParams(temperature=0.0, max_tokens=new, logprobs=True)
     report: dict[str, object] = {}
     reference = Engine(model, config)
-    base_logits = decode_logits(reference, prompts) if case != "real" else None
+    base_logits = decode_logits(reference, prompts) if with_logits else None
     base = BatchGenerator(reference).generate(prompts, [greedy] * len(prompts))
     for n in sizes:
         engine = Engine(model, msgspec.structs.replace(config, tensor_parallel=n))
@@ -154,12 +150,26 @@ def main(case: str, sizes: list[int]) -> dict[str, object]:
                 np.abs(decode_logits(engine, prompts) - base_logits).max()
             )
         report[str(n)] = entry
+    return reference, report
+
+
+def main() -> dict[str, object]:
+    report: dict[str, object] = {"devices": jax.device_count()}
+    tiny_config = EngineConfig(
+        block_size=4, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, pool_tokens=512
+    )
+    tiny_prompts = [[2, *range(10, 30)], [2, 5, 7], [2, *range(40, 49)]]
+    # 30 new tokens: decodes well past the 12-token window.
+    _, report["tiny"] = compare(tiny(), tiny_config, tiny_prompts, 30, (2, 4), with_logits=True)
+    model = load_model("gemma3-270m", "float32")
+    prompts = [model.tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):")]
+    config = EngineConfig(
+        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, pool_tokens=2048
+    )
+    reference, report["real"] = compare(model, config, prompts, 24, (2,), with_logits=False)
+    report["server"] = server_case(reference)
     return report
 
 
 if __name__ == "__main__":
-    sizes = [int(n) for n in sys.argv[2].split(",")]
-    report: dict[str, object] = {"devices": jax.device_count()}
-    for case in sys.argv[1].split(","):
-        report[case] = main(case, sizes)
-    print(json.dumps(report))
+    print(json.dumps(main()))
