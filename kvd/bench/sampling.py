@@ -29,7 +29,7 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 5) -> Samplin
     import jax.numpy as jnp
     import numpy as np
 
-    from kvd.engine.sampling import SamplingBatch, sample
+    from kvd.engine.sampling import SamplingBatch, sample, sampling_batch
 
     rng = np.random.default_rng(0)
     # Peaked: a few tokens hold the mass (a nucleus among the candidates).
@@ -39,14 +39,12 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 5) -> Samplin
     flat = rng.normal(0, 0.3, (vocabulary, batch)).astype(np.float32)
 
     def params(temperature: float, top_k: list[int], top_p: list[float]) -> SamplingBatch:
-        return SamplingBatch(
+        return sampling_batch(
+            batch,
             temperature=jnp.full(batch, temperature, jnp.float32),
             top_k=jnp.asarray(top_k, jnp.int32),
             top_p=jnp.asarray(top_p, jnp.float32),
             seeds=jnp.arange(batch, dtype=jnp.uint32),
-            positions=jnp.zeros(batch, jnp.int32),
-            stop_ids=jnp.full((batch, 8), -1, jnp.int32),
-            want_logprobs=jnp.zeros(batch, bool),
         )
 
     one_flat = peaked.copy()

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvd import faults
 from kvd.engine.model import StepBatch
-from kvd.engine.sampling import MAX_STOP_IDS, SamplingParams
+from kvd.engine.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
 from kvd.kv.layout import PageLayout
 from kvd.kv.sequence import Sequence
 from kvd.sched.executor import ParamsLookup, SequenceFault
@@ -63,11 +63,16 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-# A sequence's sampling row: top_k, seed, position, logprobs wanted, stop ids;
-# and temperature, top_p.
-SAMPLING_STOP = 4
-SAMPLING_INTS = SAMPLING_STOP + MAX_STOP_IDS
-SAMPLING_FLOATS = 2
+# A sequence's sampling row. Ints: top_k, seed, position, logprobs wanted,
+# the position from which end tokens may be sampled (min_tokens), stop ids,
+# biased token ids. Floats: temperature, top_p, min_p, the biases. A row
+# without biases holds -1 ids; the device step skips biases when no row has one.
+SAMPLING_MIN_END = 4
+SAMPLING_STOP = 5
+SAMPLING_BIAS = SAMPLING_STOP + MAX_STOP_IDS
+SAMPLING_INTS = SAMPLING_BIAS + MAX_LOGIT_BIAS
+SAMPLING_FLOAT_BIAS = 3
+SAMPLING_FLOATS = SAMPLING_FLOAT_BIAS + MAX_LOGIT_BIAS
 
 
 def write_table_row(
@@ -162,7 +167,7 @@ class SequenceRows:
                 try:
                     if faults.fire("sequence") == "raise":
                         raise faults.InjectedFault("injected: a sequence's inputs")
-                    self._write_sampling(int(rows[i]), params[i])  # type: ignore[arg-type]
+                    self._write_sampling(int(rows[i]), params[i], len(seqs[i].tokens))  # type: ignore[arg-type]
                 except (ValueError, TypeError, OverflowError, faults.InjectedFault) as exc:
                     # Its own parameters: the rows written so far are valid
                     # for the next step, which runs without it.
@@ -192,7 +197,8 @@ class SequenceRows:
         write_table_row(self.tables[:, row], seq, self.rings, self._ring_groups)
         self.stamps[row] = version
 
-    def _write_sampling(self, row: int, params: SamplingParams) -> None:
+    def _write_sampling(self, row: int, params: SamplingParams, length: int) -> None:
+        """``length``: the sequence's, at its first step (min_tokens count from it)."""
         ints, floats = self.ints[row], self.floats[row]
         # A request without a seed draws one here, once: its key still moves with
         # every position, and a resumed request keeps sampling the same stream.
@@ -201,10 +207,17 @@ class SequenceRows:
         ints[1] = np.uint32(seed).view(np.int32)
         ints[2] = 0  # the position, filled per step
         ints[3] = params.logprobs
+        ints[SAMPLING_MIN_END] = length + params.min_tokens if params.min_tokens else 0
         ints[SAMPLING_STOP:] = -1
         ints[SAMPLING_STOP : SAMPLING_STOP + len(params.stop_token_ids)] = params.stop_token_ids
         floats[0] = params.temperature
         floats[1] = params.top_p
+        floats[2] = params.min_p
+        floats[SAMPLING_FLOAT_BIAS:] = 0.0
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias, strict=True)
+            ints[SAMPLING_BIAS : SAMPLING_BIAS + len(ids)] = ids
+            floats[SAMPLING_FLOAT_BIAS : SAMPLING_FLOAT_BIAS + len(ids)] = biases
 
     def sampling(
         self, rows: np.ndarray[Any, Any], positions: np.ndarray[Any, Any]

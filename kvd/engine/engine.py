@@ -25,8 +25,11 @@ import numpy as np
 from kvd import faults
 from kvd.engine import compile_cache
 from kvd.engine.batching import (
+    SAMPLING_BIAS,
+    SAMPLING_FLOAT_BIAS,
     SAMPLING_FLOATS,
     SAMPLING_INTS,
+    SAMPLING_MIN_END,
     SAMPLING_STOP,
     SequenceRows,
     assemble_step_batch,
@@ -97,6 +100,7 @@ def run_body(
 
 def head_and_sample(
     spec: EngineSpec,
+    end_ids: tuple[int, ...],
     params: Params,
     rows: jax.Array,
     ints: jax.Array,
@@ -114,10 +118,14 @@ def head_and_sample(
         top_p=floats[:, 1],
         seeds=jax.lax.bitcast_convert_type(ints[:, 1], jnp.uint32),
         positions=ints[:, 2],
-        stop_ids=ints[:, SAMPLING_STOP:],
+        stop_ids=ints[:, SAMPLING_STOP:SAMPLING_BIAS],
         want_logprobs=ints[:, 3].astype(jnp.bool_),
+        min_p=floats[:, 2],
+        min_end=ints[:, SAMPLING_MIN_END],
+        bias_ids=ints[:, SAMPLING_BIAS:],
+        biases=floats[:, SAMPLING_FLOAT_BIAS:],
     )
-    return sample(head_vocab_major(spec, params, rows[:seqs]), sampling)
+    return sample(head_vocab_major(spec, params, rows[:seqs]), sampling, end_ids)
 
 
 def enable_compilation_cache() -> None:
@@ -287,8 +295,13 @@ class Engine:
             donate_argnums=(1,),
             **shardings,
         )
+        tokenizer = model.tokenizer
+        # EOS and end-of-turn end every generation (no tokenizer: a bare model in tests).
+        self.stop_ids = tokenizer.stop_ids() if tokenizer is not None else frozenset()
         self._head = jax.jit(
-            partial(head_and_sample, self.spec), static_argnames=("seqs",), **head_shardings
+            partial(head_and_sample, self.spec, tuple(sorted(self.stop_ids))),
+            static_argnames=("seqs",),
+            **head_shardings,
         )
         # Swapping: pages gathered to the host and scattered back. Padding a copy
         # costs little, so the page-count buckets grow by 4x (fewer programs).
@@ -316,9 +329,6 @@ class Engine:
         self._rows = SequenceRows(self.layout.num_groups, max_blocks, self.rings)
         self._table_edits: list[tuple[int, int, int, int]] = []
         self.kv: KVManager | None = None  # whose tables the steps read (``bind``)
-        tokenizer = model.tokenizer
-        # EOS and end-of-turn end every generation (no tokenizer: a bare model in tests).
-        self.stop_ids = tokenizer.stop_ids() if tokenizer is not None else frozenset()
         self.limits = ExecutorLimits(
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,

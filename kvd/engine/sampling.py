@@ -15,6 +15,12 @@ whole vocabulary's normaliser); a row whose cut falls beyond them (a larger
 top-k, a flat distribution) is cut by thresholds found by bisection over the
 whole vocabulary. Pure temperature sampling uses the whole vocabulary
 (Gumbel-max).
+
+Before any of that, as vLLM orders them: logit biases are added, the end
+tokens and stop ids of a row short of its ``min_tokens`` are masked, and
+after the temperature, ``min_p`` drops what is less likely than its share of
+the best token. Each is skipped at run time when no row of the batch asks for
+it. The logprobs returned are the model's own (before these adjustments).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kvd.engine.sampling_params import (  # re-exported: the engine's names
+    MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
@@ -33,7 +40,14 @@ from kvd.engine.sampling_params import (  # re-exported: the engine's names
 
 CANDIDATES = 256
 BEYOND_ROWS = 4  # rows cut over the whole vocabulary at a time
-__all__ = ["MAX_STOP_IDS", "MAX_TEMPERATURE", "MIN_TEMPERATURE", "SamplingParams", "sample"]
+__all__ = [
+    "MAX_LOGIT_BIAS",
+    "MAX_STOP_IDS",
+    "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
+    "SamplingParams",
+    "sample",
+]
 
 
 class SamplingBatch(NamedTuple):
@@ -44,16 +58,44 @@ class SamplingBatch(NamedTuple):
     positions: jax.Array  # [S] int32 position of the token being sampled
     stop_ids: jax.Array  # [S, MAX_STOP_IDS] int32, -1 padding
     want_logprobs: jax.Array  # [S] bool
+    min_p: jax.Array  # [S] f32, 0 = off
+    min_end: jax.Array  # [S] int32: end tokens and stop ids are masked below this position
+    bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] int32, -1 padding
+    biases: jax.Array  # [S, MAX_LOGIT_BIAS] f32
 
 
-def sample(logits: jax.Array, params: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sampling_batch(rows: int, **fields: Any) -> SamplingBatch:
+    """A batch of ``rows`` greedy rows with nothing else asked, but ``fields``."""
+    neutral = {
+        "temperature": jnp.zeros(rows, jnp.float32),
+        "top_k": jnp.zeros(rows, jnp.int32),
+        "top_p": jnp.ones(rows, jnp.float32),
+        "seeds": jnp.zeros(rows, jnp.uint32),
+        "positions": jnp.zeros(rows, jnp.int32),
+        "stop_ids": jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
+        "want_logprobs": jnp.zeros(rows, jnp.bool_),
+        "min_p": jnp.zeros(rows, jnp.float32),
+        "min_end": jnp.zeros(rows, jnp.int32),
+        "bias_ids": jnp.full((rows, MAX_LOGIT_BIAS), -1, jnp.int32),
+        "biases": jnp.zeros((rows, MAX_LOGIT_BIAS), jnp.float32),
+    }
+    return SamplingBatch(**(neutral | fields))
+
+
+def sample(
+    logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...] = ()
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens [S], logprobs of the chosen tokens [S], stopped [S]) from logits
     ``[V, S]``: vocabulary-major, as the head computes them fastest.
+    ``end_ids``: the model's end tokens (EOS, end of turn), masked with a
+    row's stop ids until its ``min_end``.
 
     Branches that no sequence of the batch needs (random draws when all are
     greedy, the whole-vocabulary draw when all truncate) are skipped at run
     time with ``lax.cond``: one compiled program, no wasted work.
     """
+    model_logits = logits
+    logits = _adjust(logits, params, end_ids)
     greedy = jnp.argmax(logits, axis=0).astype(jnp.int32)
     tokens = jax.lax.cond(
         jnp.all(params.temperature == 0.0),
@@ -64,11 +106,40 @@ def sample(logits: jax.Array, params: SamplingBatch) -> tuple[jax.Array, jax.Arr
     # The normaliser is a pass over the whole vocabulary: only when asked for.
     logprobs = jax.lax.cond(
         jnp.any(params.want_logprobs),
-        lambda: logits[tokens, rows] - jax.nn.logsumexp(logits, axis=0),
+        lambda: model_logits[tokens, rows] - jax.nn.logsumexp(model_logits, axis=0),
         lambda: jnp.zeros(tokens.shape, logits.dtype),
     )
     stopped = jnp.any(tokens[:, None] == params.stop_ids, axis=-1)
     return tokens, logprobs, stopped
+
+
+def _adjust(logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...]) -> jax.Array:
+    """Logit biases added, then end tokens and stop ids masked for rows short
+    of their ``min_tokens``; each only when some row of the batch has it."""
+    vocab, seqs = logits.shape
+    rows = jnp.arange(seqs)
+
+    def biased() -> jax.Array:
+        ids = jnp.where(params.bias_ids < 0, vocab, params.bias_ids)  # padding: dropped
+        return logits.at[ids.T, rows[None, :]].add(params.biases.T, mode="drop")
+
+    logits = jax.lax.cond(jnp.any(params.bias_ids >= 0), biased, lambda: logits)
+    early = params.positions < params.min_end
+
+    def masked() -> jax.Array:
+        ends = jnp.broadcast_to(jnp.asarray(end_ids, jnp.int32), (seqs, len(end_ids)))
+        ids = jnp.concatenate([params.stop_ids, ends], axis=1)
+        ids = jnp.where((ids < 0) | ~early[:, None], vocab, ids)  # dropped
+        return logits.at[ids.T, rows[None, :]].set(-jnp.inf, mode="drop")
+
+    return jax.lax.cond(jnp.any(early), masked, lambda: logits)
+
+
+def _min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Scaled logits [V, S] less likely than ``min_p`` times the best token's
+    probability set to -inf (rows with 0: unchanged)."""
+    floor = jnp.max(scaled, axis=0) + jnp.log(jnp.maximum(min_p, 1e-30))
+    return jnp.where((min_p > 0)[None, :] & (scaled < floor[None, :]), -jnp.inf, scaled)
 
 
 def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
@@ -78,6 +149,9 @@ def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
     )
     vocab = logits.shape[0]
     scaled = logits / jnp.maximum(params.temperature, MIN_TEMPERATURE)[None, :]  # [V, S]
+    scaled = jax.lax.cond(
+        jnp.any(params.min_p > 0), lambda: _min_p(scaled, params.min_p), lambda: scaled
+    )
     # A greedy row's draw is thrown away: it must not ask for a truncation.
     truncating = ((params.top_k > 0) | (params.top_p < 1.0)) & (params.temperature > 0)
 

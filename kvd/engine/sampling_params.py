@@ -7,6 +7,8 @@ from __future__ import annotations
 import msgspec
 
 MAX_STOP_IDS = 8
+MAX_LOGIT_BIAS = 300  # OpenAI's own limit
+MAX_BIAS = 100.0  # OpenAI's range for one bias: -100 bans a token, +100 forces it
 # Temperatures the engine represents exactly in float32: logits over the
 # smallest stay finite, and the largest still orders the vocabulary.
 MIN_TEMPERATURE = 1e-6
@@ -22,6 +24,14 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched on the host
     logprobs: bool = False
+    # vLLM's extensions: EOS (and the model's other end tokens) do not end the
+    # generation; no end token or stop id is sampled before ``min_tokens``
+    # (counted from the prompt); ``min_p`` drops tokens less likely than that
+    # share of the most likely one.
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
@@ -38,3 +48,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids")
         if self.seed is not None and not 0 <= self.seed < 2**32:
             raise ValueError("seed must be in [0, 2**32)")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        if any(not -MAX_BIAS <= bias <= MAX_BIAS for _, bias in self.logit_bias):
+            raise ValueError(f"a logit bias must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")

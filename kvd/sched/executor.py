@@ -46,7 +46,8 @@ class ExecutorLimits(msgspec.Struct, frozen=True):
 class ParamsLookup(Protocol):
     """Sampling parameters by position in a step (a list will do); an
     executor may read only the entries of sequences running for the first
-    time (the engine does: it keeps them for the sequence's life)."""
+    time (the engine does: it keeps them for the sequence's life). Their
+    ``min_tokens`` counts from the sequence's length at that first step."""
 
     def __getitem__(self, index: int, /) -> SamplingParams | None: ...
 

@@ -130,7 +130,17 @@ class ParamsOf:
         return len(self._requests)
 
     def __getitem__(self, index: int) -> SamplingParams:
-        return self._requests[index].params
+        request = self._requests[index]
+        params = request.params
+        if params.min_tokens and request.seq is not None:
+            # A sequence recomputed after a preemption starts with its output
+            # so far: min_tokens counts what is left of it.
+            generated = len(request.seq.tokens) - request.prompt_len
+            if generated:
+                return msgspec.structs.replace(
+                    params, min_tokens=max(0, params.min_tokens - generated)
+                )
+        return params
 
 
 class StepEvent(msgspec.Struct, frozen=True):
@@ -151,18 +161,23 @@ class SlotInfo:
         self.last_token_at = np.full(0, np.nan)  # NaN: no token yet
         self.stop_length = np.zeros(0, np.int64)  # the sequence ends at this length
         self.tenant = np.zeros(0, np.int64)  # index into Scheduler.tenant_names
+        self.ignore_eos = np.zeros(0, np.bool_)  # the model's end tokens do not end it
 
-    def start(self, slot: int, capacity: int, stop_length: int, tenant: int) -> None:
+    def start(
+        self, slot: int, capacity: int, stop_length: int, tenant: int, ignore_eos: bool
+    ) -> None:
         """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
         if len(self.stop_length) < capacity:
             self._grow(capacity)
         self.last_token_at[slot] = np.nan
         self.stop_length[slot] = stop_length
         self.tenant[slot] = tenant
+        self.ignore_eos[slot] = ignore_eos
 
     def _grow(self, capacity: int) -> None:
         old = len(self.stop_length)
-        for name, fill in (("last_token_at", np.nan), ("stop_length", 0), ("tenant", 0)):
+        columns = (("last_token_at", np.nan), ("stop_length", 0), ("tenant", 0), ("ignore_eos", 0))
+        for name, fill in columns:
             column = getattr(self, name)
             grown = np.full(capacity, fill, column.dtype)
             grown[:old] = column

@@ -238,6 +238,7 @@ class Scheduler(TokenHandling):
                 kv.columns.capacity,
                 request.stop_length,
                 self._tenant_index[request.tenant],
+                request.params.ignore_eos,
             )
         seq = request.seq
         hit = kv.lookup(seq)

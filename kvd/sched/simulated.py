@@ -49,18 +49,35 @@ def next_token(context: list[int] | Array, params: SamplingParams, vocab_size: i
     return value % vocab_size
 
 
+def allowed_token(
+    context: list[int] | Array,
+    params: SamplingParams,
+    vocab_size: int,
+    banned: frozenset[int] | tuple[int, ...],
+) -> int:
+    """``next_token``, or while the end tokens and stop ids are ``banned``
+    (short of min_tokens), the first token after it that is not."""
+    token = next_token(context, params, vocab_size)
+    while token in banned:
+        token = (token + 1) % vocab_size
+    return token
+
+
 def expected_output(
     prompt: list[int], params: SamplingParams, limits: ExecutorLimits, stop_ids: frozenset[int]
 ) -> tuple[list[int], str]:
     """What a request must produce, computed without any KV: (tokens, finish reason)."""
     tokens = list(prompt)
     stop_length = len(prompt) + min(params.max_tokens, limits.max_model_len - len(prompt))
+    ends = stop_ids | frozenset(params.stop_token_ids)
+    enders = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else stop_ids)
     out: list[int] = []
     while True:
-        token = next_token(tokens, params, limits.vocab_size)
+        banned = ends if len(out) < params.min_tokens else frozenset()
+        token = allowed_token(tokens, params, limits.vocab_size, banned)
         out.append(token)
         tokens.append(token)
-        if token in stop_ids or token in params.stop_token_ids:
+        if token in enders:
             return out, "stop"
         if len(tokens) >= stop_length:
             return out, "length"
@@ -89,6 +106,7 @@ class SimulatedExecutor:
         self.device_seconds = 0.0
         self.unhang = threading.Event()
         self._started: set[int] = set()  # sequences that have run (their params read)
+        self._min_end: dict[int, int] = {}  # by sequence: end tokens allowed from this length
 
     def bind(self, kv: KVManager) -> None:
         if kv.layout != self.layout or kv.pool.num_pages != self.num_pages:
@@ -121,7 +139,9 @@ class SimulatedExecutor:
                 p = params[i]
                 if p is None:
                     raise ValueError(f"no sampling parameters for sequence {seq.seq_id}")
-                token = next_token(self._read(seq, end), p, self.limits.vocab_size)
+                early = end < self._min_end.get(seq.seq_id, 0)
+                banned = self.stop_ids | frozenset(p.stop_token_ids) if early else frozenset()
+                token = allowed_token(self._read(seq, end), p, self.limits.vocab_size, banned)
                 sampled[i] = token
                 stopped[i] = token in p.stop_token_ids
         self.device_seconds += time.perf_counter() - started
@@ -140,6 +160,9 @@ class SimulatedExecutor:
                 if faults.fire("sequence") == "raise":
                     raise SequenceFault(i, faults.InjectedFault("injected: a sequence's inputs"))
                 self._started.add(seq.seq_id)
+                # As the engine: min_tokens count from the length at the first step.
+                if params[i].min_tokens:  # type: ignore[union-attr]
+                    self._min_end[seq.seq_id] = len(seq.tokens) + params[i].min_tokens  # type: ignore[union-attr]
 
     def _pages(self, seq: Sequence, group: int, positions: Array) -> Array:
         table = np.asarray(seq.tables[group], np.int64)

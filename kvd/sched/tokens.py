@@ -50,9 +50,11 @@ def outcome(
     stopped: Array,
     is_stop: Array,
     stop_length: Array,
+    ignore_eos: Array,
 ) -> Outcome:
     """``block``: the step's sequences' columns before it; ``is_stop`` by token
-    id; ``stop_length`` by slot (the length at which a sequence ends)."""
+    id (the model's end tokens); by slot, ``stop_length`` (the length at which
+    a sequence ends) and ``ignore_eos`` (end tokens do not end it)."""
     length = block[LENGTH]
     sampled = block[COMPUTED] + np.asarray(counts) == length  # not a prefill chunk
     keep = None
@@ -60,7 +62,7 @@ def outcome(
         keep = np.flatnonzero(sampled)
         slots, length = slots[keep], length[keep]
         tokens, logprobs, stopped = tokens[keep], logprobs[keep], stopped[keep]
-    by_stop = stopped | is_stop[tokens]
+    by_stop = stopped | (is_stop[tokens] & ~ignore_eos[slots])
     finished = by_stop | (length >= stop_length[slots] - 1)  # with this token
     return Outcome(keep, slots, length, tokens, logprobs, finished, by_stop)
 
@@ -86,7 +88,15 @@ class TokenHandling(Preemption):
         now = self.clock()
         info = self._slot_info
         out = outcome(
-            work.counts, slots, block, tokens, logprobs, stopped, self._is_stop, info.stop_length
+            work.counts,
+            slots,
+            block,
+            tokens,
+            logprobs,
+            stopped,
+            self._is_stop,
+            info.stop_length,
+            info.ignore_eos,
         )
         requests = work.requests
         if out.keep is not None:

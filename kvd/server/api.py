@@ -16,6 +16,8 @@ import numpy as np
 from msgspec import Meta
 
 from kvd.engine.sampling_params import (
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
@@ -31,13 +33,13 @@ MAX_STOP_LENGTH = 256
 MAX_JSON_DEPTH = 32  # nesting of arrays and objects
 MAX_MESSAGES = 2048
 MAX_PARTS = 256  # content parts of one message
-MAX_LOGIT_BIAS = 300  # OpenAI's own limit
 MAX_TOOLS = 128
 MAX_NAME = 256  # user, cache_salt, a message's name
 
 Temperature = Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
+MAX_REPETITION_PENALTY = 10.0
 Count = Annotated[int, Meta(ge=1)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Name = Annotated[str, Meta(max_length=MAX_NAME)]
@@ -84,6 +86,7 @@ class ApiError(Exception):
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -106,6 +109,10 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     stop_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_IDS)] | None = None
     cache_salt: Name | None = None
     priority: int | Name | None = None  # a tier: its name, or its index (0 = most important)
+    ignore_eos: bool | None = None  # the model's end tokens do not end the generation
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None  # before an end token or stop id
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
 
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, frozen=True):
@@ -151,6 +158,7 @@ class Prepared(msgspec.Struct, frozen=True):
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage in every chunk, not only the last
     tier: int | str | None
     cache_salt: str | None
 
@@ -173,9 +181,9 @@ def decode_body(body: bytes, kind: type[_Common]) -> Any:
         message = str(exc)
         match = _PATH.search(message)
         param = match.group(1) if match else None
-        if param is None:
-            unknown = re.search(r"unknown field `([^`]*)`", message)
-            param = unknown.group(1) if unknown else None
+        unknown = re.search(r"unknown field `([^`]*)`", message)
+        if unknown:  # named in full: inside an object, its path and the field
+            param = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
         text = message[: match.start()] if match else message
         raise ApiError(400, text, param=param or None, code="invalid_value") from None
     except msgspec.DecodeError as exc:
@@ -232,7 +240,11 @@ def _unsupported(request: _Common) -> None:
         (request.n not in (None, 1), "n", "only n=1 is supported"),
         (bool(request.presence_penalty), "presence_penalty", "penalties are not supported"),
         (bool(request.frequency_penalty), "frequency_penalty", "penalties are not supported"),
-        (bool(request.logit_bias), "logit_bias", "logit_bias is not supported"),
+        (
+            request.repetition_penalty not in (None, 1.0),
+            "repetition_penalty",
+            "repetition_penalty is not supported",
+        ),
     ]
     if isinstance(request, CompletionRequest):
         checks += [
@@ -275,6 +287,31 @@ def _stops(request: _Common) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if len(ids) > MAX_STOP_IDS:
         raise ApiError(400, f"at most {MAX_STOP_IDS} stop token ids", param="stop_token_ids")
     return strings, ids
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as (id, bias) pairs, checked."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(
+                400, f"logit_bias keys are token ids; {key!r} is not one", param="logit_bias"
+            ) from None
+        if not 0 <= token < vocab:
+            raise ApiError(
+                400, f"logit_bias: token id {token} is outside the vocabulary", param="logit_bias"
+            )
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            raise ApiError(
+                400,
+                f"logit_bias: the bias of token {token} is {value:g}; each must be in "
+                f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]",
+                param="logit_bias",
+            )
+        pairs.append((token, float(value)))
+    return tuple(pairs)
 
 
 def _token_prompt(prompt: list[Any], vocab: int) -> list[int]:
@@ -373,6 +410,13 @@ def prepare(
     top_k = max(0, request.top_k or 0)
     if top_k > vocab:
         raise ApiError(400, f"top_k must be at most the vocabulary size {vocab}", param="top_k")
+    min_tokens = request.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise ApiError(
+            400,
+            f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     params = SamplingParams(
         temperature=temperature,
         top_k=top_k,
@@ -382,12 +426,18 @@ def prepare(
         stop_token_ids=stop_ids,
         stop=stop,
         logprobs=want_logprobs,
+        ignore_eos=bool(request.ignore_eos),
+        min_tokens=min_tokens,
+        min_p=request.min_p or 0.0,
+        logit_bias=_logit_bias(request.logit_bias, vocab),
     )
+    options = request.stream_options
     return Prepared(
         prompt=prompt,
         params=params,
         stream=bool(request.stream),
-        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        include_usage=bool(options and options.include_usage),
+        continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
         tier=request.priority,
         cache_salt=request.cache_salt,
     )

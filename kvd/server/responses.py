@@ -264,7 +264,8 @@ class Relay:
             "choices": [choice],
         }
         if self.prepared.include_usage:
-            chunk["usage"] = None
+            # vLLM's continuous_usage_stats: the counts so far in every chunk.
+            chunk["usage"] = self.usage() if self.prepared.continuous_usage else None
         return chunk
 
     def _usage_chunk(self) -> dict[str, Any]:

@@ -1,15 +1,27 @@
-"""Top-k and top-p are exact over the whole vocabulary: the set a sampled
-token comes from equals a sort-based numpy oracle's, whether the cut falls
-among the device's candidates or beyond them (bisection)."""
+"""Choosing tokens on the device against numpy oracles: top-k and top-p exact
+over the whole vocabulary (the set a sampled token comes from equals a sort's,
+whether the cut falls among the candidates or beyond them), logit biases,
+min_tokens' masking and min_p."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvd.engine.sampling import BEYOND_ROWS, CANDIDATES, SamplingBatch, exact_keep, sample
+from kvd.engine.sampling import (
+    BEYOND_ROWS,
+    CANDIDATES,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_IDS,
+    SamplingBatch,
+    exact_keep,
+    sample,
+    sampling_batch,
+)
 
 VOCAB = 1024
 
@@ -60,14 +72,12 @@ def test_exact_keep_matches_a_sort(kind: str, top_k: int, top_p: float) -> None:
 
 
 def _batch(rows: int, top_k: int, top_p: float, seed: int) -> SamplingBatch:
-    return SamplingBatch(
+    return sampling_batch(
+        rows,
         temperature=jnp.ones(rows, jnp.float32),
         top_k=jnp.full(rows, top_k, jnp.int32),
         top_p=jnp.full(rows, top_p, jnp.float32),
         seeds=jnp.arange(seed, seed + rows, dtype=jnp.uint32),
-        positions=jnp.zeros(rows, jnp.int32),
-        stop_ids=jnp.full((rows, 8), -1, jnp.int32),
-        want_logprobs=jnp.zeros(rows, bool),
     )
 
 
@@ -107,3 +117,97 @@ def test_a_batch_mixes_exact_paths_per_row() -> None:
         if i < BEYOND_ROWS + 2:
             assert int(alone[0]) in oracle_keep(rows[i].astype(np.float32), 0, 0.9)
     assert int(together[-1]) == int(np.argmax(rows[-1]))  # greedy
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices_as_numpy_does() -> None:
+    """Biases are added to the logits before any choice (numpy's argmax of the
+    biased logits); rows without biases are untouched; the logprobs stay the
+    model's own."""
+    rng = np.random.default_rng(21)
+    rows = 4
+    logits = rng.normal(0, 3, (VOCAB, rows)).astype(np.float32)
+    ids = np.full((rows, MAX_LOGIT_BIAS), -1, np.int32)
+    biases = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+    best = logits.argmax(axis=0)
+    ids[0, :2], biases[0, :2] = [17, 500], [100.0, 3.5]  # forced
+    ids[1, :1], biases[1, :1] = [best[1]], [-100.0]  # banned: the runner-up wins
+    ids[2, :MAX_LOGIT_BIAS] = rng.choice(VOCAB, MAX_LOGIT_BIAS, replace=False)
+    biases[2] = rng.uniform(-5, 5, MAX_LOGIT_BIAS)  # a full table of small ones
+    batch = sampling_batch(
+        rows,
+        bias_ids=jnp.asarray(ids),
+        biases=jnp.asarray(biases),
+        want_logprobs=jnp.ones(rows, bool),
+    )
+    tokens, logprobs, _ = jax.jit(sample)(jnp.asarray(logits), batch)
+    biased = logits.copy()
+    for r in range(rows):
+        for token, bias in zip(ids[r], biases[r], strict=True):
+            if token >= 0:
+                biased[token, r] += bias
+    np.testing.assert_array_equal(np.asarray(tokens), biased.argmax(axis=0))
+    assert int(tokens[0]) == 17 and int(tokens[3]) == int(best[3])
+    own = logits - np.log(np.exp(logits - logits.max(0)).sum(0)) - logits.max(0)
+    np.testing.assert_allclose(
+        np.asarray(logprobs), own[np.asarray(tokens), range(rows)], atol=1e-5
+    )
+
+
+def test_min_tokens_masks_end_tokens_and_stop_ids_until_its_position() -> None:
+    """A row short of its min_end never samples an end token or one of its stop
+    ids, greedy or drawn, however likely; from min_end on it may."""
+    rows = 6
+    logits = np.zeros((VOCAB, rows), np.float32)
+    logits[5] = 50.0  # an end token of the model, by far the most likely
+    logits[9] = 40.0  # a stop id of the rows, next
+    logits[11] = 30.0
+    stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
+    stop_ids[:, 0] = 9
+    positions = jnp.asarray([3, 3, 3, 7, 8, 3], jnp.int32)
+    min_end = jnp.asarray([4, 4, 0, 8, 8, 4], jnp.int32)
+    temperature = jnp.asarray([0, 1, 0, 0, 0, 1], jnp.float32)
+    batch = sampling_batch(
+        rows,
+        stop_ids=jnp.asarray(stop_ids),
+        positions=positions,
+        min_end=min_end,
+        temperature=temperature,
+        seeds=jnp.arange(rows, dtype=jnp.uint32),
+    )
+    step = jax.jit(partial(sample, end_ids=(5, 6)))
+    tokens, _, stopped = step(jnp.asarray(logits), batch)
+    assert np.asarray(tokens).tolist() == [11, 11, 5, 11, 5, 11]
+    assert not np.asarray(stopped).any()
+    logits[5] = 0.0  # now the stop id leads: sampled, and it stops the row
+    tokens, _, stopped = step(jnp.asarray(logits), batch)
+    assert np.asarray(tokens).tolist() == [11, 11, 9, 11, 9, 11]
+    assert np.asarray(stopped).tolist() == [False, False, True, False, True, False]
+
+
+@pytest.mark.parametrize(("min_p", "top_k"), [(0.05, 0), (0.3, 0), (0.05, 3)])
+def test_min_p_draws_stay_in_numpys_set(min_p: float, top_k: int) -> None:
+    """min_p keeps the tokens at least ``min_p`` times as likely as the best
+    (after the temperature), before top-k; every draw stays in that set, and
+    the draws cover it."""
+    rng = np.random.default_rng(5)
+    row = logits_for("peaked", rng).astype(np.float32)
+    row[rng.choice(VOCAB, 6, replace=False)] = row.max() - rng.uniform(0, 4, 6)
+    temperature = 0.7
+    scaled = row / temperature
+    probs = np.exp(scaled - scaled.max())
+    allowed = set(np.flatnonzero(probs >= min_p).tolist())
+    if top_k:
+        allowed &= set(np.argsort(-scaled)[:top_k].tolist())
+    draws = 128
+    batch = sampling_batch(
+        draws,
+        temperature=jnp.full(draws, temperature, jnp.float32),
+        top_k=jnp.full(draws, top_k, jnp.int32),
+        seeds=jnp.arange(draws, dtype=jnp.uint32),
+        min_p=jnp.full(draws, min_p, jnp.float32),
+    )
+    logits = jnp.asarray(np.repeat(row[:, None], draws, axis=1))
+    tokens, _, _ = jax.jit(sample)(logits, batch)
+    seen = set(np.asarray(tokens).tolist())
+    assert seen <= allowed
+    assert len(seen) >= min(len(allowed), 3)

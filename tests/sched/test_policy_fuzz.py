@@ -108,6 +108,7 @@ class PolicyMachine(RuleBasedStateMachine):
         salt=st.sampled_from([None, None, "s1"]),
         deadline=st.sampled_from([None, None, 0.5, 3.0]),
         burst=st.integers(1, 4),
+        ends=st.sampled_from([None, None, "ignore_eos", "min_tokens"]),
     )
     def submit(
         self,
@@ -119,11 +120,14 @@ class PolicyMachine(RuleBasedStateMachine):
         sample: bool,
         salt: str | None,
         deadline: float | None,
+        ends: str | None,
     ) -> None:
         for _ in range(burst):
             tenant = data.draw(st.sampled_from(sorted(self.scheduler.tenants)), "tenant")
             tier = data.draw(st.sampled_from([None, *TIERS]), "tier")
-            self._submit(tenant, tier, length, max_tokens, shared_start, sample, salt, deadline)
+            self._submit(
+                tenant, tier, length, max_tokens, shared_start, sample, salt, deadline, ends
+            )
 
     def _submit(
         self,
@@ -135,13 +139,21 @@ class PolicyMachine(RuleBasedStateMachine):
         sample: bool,
         salt: str | None,
         deadline: float | None,
+        ends: str | None = None,
     ) -> None:
         self.serial += 1
         length = max(1, length - self.serial % 7)
         head = [5, 6, 7, 8, 9, 10, 11, 12] if shared_start else []
         prompt = (head + [(self.serial * 13 + i * 7) % 40 + 2 for i in range(length)])[:40]
+        # "min_tokens": frequent stop ids (3 in 48 tokens), masked for the first
+        # half, through preemptions (recomputed sequences count from their output).
         params = SamplingParams(
-            temperature=0.7 if sample else 0.0, seed=self.serial, max_tokens=max_tokens
+            temperature=0.7 if sample else 0.0,
+            seed=self.serial,
+            max_tokens=max_tokens,
+            ignore_eos=ends == "ignore_eos",
+            min_tokens=max_tokens // 2 if ends == "min_tokens" else 0,
+            stop_token_ids=(2, 3, 4) if ends == "min_tokens" else (),
         )
         request_id = f"r{self.serial}"
         try:
@@ -406,3 +418,21 @@ def test_a_prefix_hit_made_stale_by_its_own_evictions_waits() -> None:
     machine.pool_is_whole()
     machine.teardown()
     assert machine.done["r2"] == "error"
+
+
+def test_the_oracle_honours_ignore_eos_and_min_tokens() -> None:
+    """The fuzz's expected outputs: no end token or stop id before min_tokens,
+    and with ignore_eos the model's end token does not end the request."""
+    limits = make_executor().limits
+    prompts = [[(seed * 7 + i) % 40 + 2 for i in range(5)] for seed in range(40)]
+    masked = SamplingParams(max_tokens=20, min_tokens=10, stop_token_ids=(2, 3, 4))
+    ignoring = SamplingParams(max_tokens=30, ignore_eos=True)
+    eos_seen = 0
+    for prompt in prompts:
+        out, reason = expected_output(prompt, masked, limits, STOP_IDS)
+        assert len(out) >= 10 and not {1, 2, 3, 4} & set(out[:10])
+        assert reason == ("stop" if out[-1] in {1, 2, 3, 4} else "length")
+        out, reason = expected_output(prompt, ignoring, limits, STOP_IDS)
+        assert (len(out), reason) == (30, "length")
+        eos_seen += 1 in out
+    assert eos_seen  # the end token came up, and did not end those requests

@@ -362,3 +362,32 @@ def test_a_host_tier_hit_yields_the_tokens_of_a_device_hit(engine) -> None:  # t
     after = scheduler.kv.stats()
     assert after.host_hit_tokens - before.host_hit_tokens > 0
     assert got == want
+
+
+def test_biases_and_min_tokens_reach_the_engines_step(engine) -> None:  # type: ignore[no-untyped-def]
+    """On the real engine, in one batch: a +100 bias forces its token, a -100
+    bias bans one, and min_tokens masks a stop id that greedy would pick first
+    (and then allows it); a row without them is what it is alone."""
+    scheduler = Scheduler(engine)
+    scheduler.set_tenant(TenantConfig("t", max_queue=16))
+    start = prompt(3, 9)
+    scheduler.submit("plain", "t", start, greedy(8))
+    first = run_to_end(scheduler)["plain"][0]
+    requests = {
+        "plain": greedy(8),
+        "forced": SamplingParams(temperature=0.0, max_tokens=5, logit_bias=((7, 100.0),)),
+        "banned": SamplingParams(temperature=0.0, max_tokens=8, logit_bias=((first, -100.0),)),
+        "masked": SamplingParams(
+            temperature=0.0, max_tokens=8, min_tokens=4, stop_token_ids=(first,)
+        ),
+        "unmasked": SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(first,)),
+    }
+    for name, params in requests.items():
+        scheduler.submit(name, "t", start, params)
+    out = run_to_end(scheduler)
+    assert out["plain"][0] == first
+    assert out["forced"] == [7] * 5
+    assert first not in out["banned"]
+    assert out["unmasked"] == [first]  # the stop id ends it at once
+    assert len(out["masked"]) >= 4 and first not in out["masked"][:4]
+    assert out["masked"][-1] == first or len(out["masked"]) == 8

@@ -223,6 +223,49 @@ async def test_sampling_extensions_and_logprobs(served: Served) -> None:
     assert status == 200
 
 
+async def test_the_benchmark_tools_extensions(served: Served) -> None:
+    """What guidellm, inference-perf, aiperf and `vllm bench serve` send:
+    ignore_eos, and usage in every chunk (vLLM's continuous_usage_stats), with
+    min_tokens, min_p and logit_bias beside them."""
+    body = {
+        "model": MODEL,
+        "prompt": LONG_PROMPT,
+        "max_tokens": 9,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "ignore_eos": True,
+        "min_tokens": 9,
+        "min_p": 0.1,
+        "temperature": 0.8,
+        "logit_bias": {"17": 2.5, "9259": -100},
+    }
+    response = await served.post("/v1/completions", body)
+    assert response.status_code == 200
+    chunks = [
+        json.loads(line[6:])
+        for line in (await response.get_data()).decode().splitlines()
+        if line.startswith("data: {")
+    ]
+    usages = [chunk["usage"] for chunk in chunks]
+    assert all(u is not None for u in usages), usages
+    prompt_tokens = usages[0]["prompt_tokens"]
+    completion = [u["completion_tokens"] for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 9
+    assert all(u["prompt_tokens"] == prompt_tokens for u in usages)
+    assert all(u["total_tokens"] == prompt_tokens + u["completion_tokens"] for u in usages)
+    assert chunks[-1]["choices"] == [] and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    # Without continuous_usage_stats, usage comes once, at the end, as before.
+    body["stream_options"] = {"include_usage": True}
+    response = await served.post("/v1/completions", body)
+    chunks = [
+        json.loads(line[6:])
+        for line in (await response.get_data()).decode().splitlines()
+        if line.startswith("data: {")
+    ]
+    assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+    await served.assert_whole()
+
+
 async def test_token_prompt_and_request_id(served: Served) -> None:
     status, body, headers = await post(
         served,
@@ -307,6 +350,34 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
         "tool_choice",
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "logit_bias": {"9": 101}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "logit_bias": {"262144": 1}},
+        400,
+        "logit_bias",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5},
+        400,
+        "min_tokens",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"usage": True}},
+        400,
+        "stream_options.usage",
+    ),
     (
         "/v1/completions",
         {"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}},
