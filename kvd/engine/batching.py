@@ -64,11 +64,13 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 
 # A sequence's sampling row. Ints: top_k, seed, position, logprobs wanted,
-# the position from which end tokens may be sampled (min_tokens), stop ids,
-# biased token ids. Floats: temperature, top_p, min_p, the biases. A row
-# without biases holds -1 ids; the device step skips biases when no row has one.
+# the position from which end tokens may be sampled (min_tokens), how many
+# alternatives' logprobs, stop ids, biased token ids. Floats: temperature,
+# top_p, min_p, the biases. A row without biases holds -1 ids; the device step
+# skips biases when no row has one.
 SAMPLING_MIN_END = 4
-SAMPLING_STOP = 5
+SAMPLING_TOP = 5
+SAMPLING_STOP = 6
 SAMPLING_BIAS = SAMPLING_STOP + MAX_STOP_IDS
 SAMPLING_INTS = SAMPLING_BIAS + MAX_LOGIT_BIAS
 SAMPLING_FLOAT_BIAS = 3
@@ -208,6 +210,7 @@ class SequenceRows:
         ints[2] = 0  # the position, filled per step
         ints[3] = params.logprobs
         ints[SAMPLING_MIN_END] = length + params.min_tokens if params.min_tokens else 0
+        ints[SAMPLING_TOP] = params.top_logprobs
         ints[SAMPLING_STOP:] = -1
         ints[SAMPLING_STOP : SAMPLING_STOP + len(params.stop_token_ids)] = params.stop_token_ids
         floats[0] = params.temperature

@@ -31,6 +31,7 @@ from kvd.engine.batching import (
     SAMPLING_INTS,
     SAMPLING_MIN_END,
     SAMPLING_STOP,
+    SAMPLING_TOP,
     SequenceRows,
     assemble_step_batch,
     batch_shapes,
@@ -57,7 +58,7 @@ from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.layout import build_layout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
-from kvd.sched.executor import ExecutorLimits, ParamsLookup
+from kvd.sched.executor import ExecutorLimits, ParamsLookup, StepOutput
 
 Progress = Callable[[int, int, str], None]
 
@@ -107,7 +108,7 @@ def head_and_sample(
     floats: jax.Array,
     *,
     seqs: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """Logits and sampling for the first S rows, from packed sampling arrays
     (one ``SequenceRows`` sampling row per sequence)."""
     ints = ints.reshape(seqs, SAMPLING_INTS)
@@ -124,6 +125,7 @@ def head_and_sample(
         min_end=ints[:, SAMPLING_MIN_END],
         bias_ids=ints[:, SAMPLING_BIAS:],
         biases=floats[:, SAMPLING_FLOAT_BIAS:],
+        top_count=ints[:, SAMPLING_TOP],
     )
     return sample(head_vocab_major(spec, params, rows[:seqs]), sampling, end_ids)
 
@@ -504,9 +506,9 @@ class Engine:
         params: ParamsLookup,
         slots: np.ndarray[Any, Any],
         block: np.ndarray[Any, Any],
-    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    ) -> StepOutput:
         """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated)
-        and return sampled (tokens, logprobs, stopped) per sequence; ``slots``:
+        and return what each sampled (the alternatives only when one asked); ``slots``:
         the sequences' ``kv.slots_of``, ``block`` their columns before the step
         (``kv.columns.matrix[:, slots]``). The caller commits the tokens.
 
@@ -553,12 +555,17 @@ class Engine:
         head_program = self._head_program(seqs_bucket)
         started = time.perf_counter()
         hidden, self.pool = body_program(self.params, self.pool, self._put(flat))
-        sampled, logprobs, stopped = head_program(
+        sampled, logprobs, stopped, top_ids, top_logprobs = head_program(
             self.params, hidden, self._put(ints), self._put(floats)
         )
         sampled, logprobs, stopped = np.asarray(sampled), np.asarray(logprobs), np.asarray(stopped)
+        top = None
+        if cache.ints[rows[:count], SAMPLING_TOP].any():  # only then is the result read
+            top = np.asarray(top_ids)[:count], np.asarray(top_logprobs)[:count]
         self.device_seconds += time.perf_counter() - started
         if decodes:
             self.decode_tokens += count
             self.decode_seconds += time.perf_counter() - entered
-        return sampled[:count], logprobs[:count], stopped[:count]
+        return StepOutput(
+            sampled[:count], logprobs[:count], stopped[:count], *(top or (None, None))
+        )

@@ -34,6 +34,7 @@ from kvd.engine.sampling_params import (  # re-exported: the engine's names
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     SamplingParams,
 )
@@ -43,6 +44,7 @@ BEYOND_ROWS = 4  # rows cut over the whole vocabulary at a time
 __all__ = [
     "MAX_LOGIT_BIAS",
     "MAX_STOP_IDS",
+    "MAX_TOP_LOGPROBS",
     "MAX_TEMPERATURE",
     "MIN_TEMPERATURE",
     "SamplingParams",
@@ -62,6 +64,7 @@ class SamplingBatch(NamedTuple):
     min_end: jax.Array  # [S] int32: end tokens and stop ids are masked below this position
     bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] int32, -1 padding
     biases: jax.Array  # [S, MAX_LOGIT_BIAS] f32
+    top_count: jax.Array  # [S] int32: alternatives' logprobs wanted (0: none)
 
 
 def sampling_batch(rows: int, **fields: Any) -> SamplingBatch:
@@ -78,15 +81,18 @@ def sampling_batch(rows: int, **fields: Any) -> SamplingBatch:
         "min_end": jnp.zeros(rows, jnp.int32),
         "bias_ids": jnp.full((rows, MAX_LOGIT_BIAS), -1, jnp.int32),
         "biases": jnp.zeros((rows, MAX_LOGIT_BIAS), jnp.float32),
+        "top_count": jnp.zeros(rows, jnp.int32),
     }
     return SamplingBatch(**(neutral | fields))
 
 
 def sample(
     logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...] = ()
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(tokens [S], logprobs of the chosen tokens [S], stopped [S]) from logits
-    ``[V, S]``: vocabulary-major, as the head computes them fastest.
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(tokens [S], logprobs of the chosen tokens [S], stopped [S], and the
+    ``MAX_TOP_LOGPROBS`` most likely tokens [S, K] with their logprobs [S, K],
+    zeros unless some row asked) from logits ``[V, S]``: vocabulary-major, as
+    the head computes them fastest.
     ``end_ids``: the model's end tokens (EOS, end of turn), masked with a
     row's stop ids until its ``min_end``.
 
@@ -110,7 +116,20 @@ def sample(
         lambda: jnp.zeros(tokens.shape, logits.dtype),
     )
     stopped = jnp.any(tokens[:, None] == params.stop_ids, axis=-1)
-    return tokens, logprobs, stopped
+    seqs = tokens.shape[0]
+    top = min(MAX_TOP_LOGPROBS, logits.shape[0])
+
+    def alternatives() -> tuple[jax.Array, jax.Array]:
+        values, ids = jax.lax.top_k(model_logits.T, top)  # [S, K], best first
+        normaliser = jax.nn.logsumexp(model_logits, axis=0)
+        return ids.astype(jnp.int32), values - normaliser[:, None]
+
+    top_ids, top_logprobs = jax.lax.cond(
+        jnp.any(params.top_count > 0),
+        alternatives,
+        lambda: (jnp.zeros((seqs, top), jnp.int32), jnp.zeros((seqs, top), logits.dtype)),
+    )
+    return tokens, logprobs, stopped, top_ids, top_logprobs
 
 
 def _adjust(logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...]) -> jax.Array:

@@ -8,6 +8,7 @@ import msgspec
 
 MAX_STOP_IDS = 8
 MAX_LOGIT_BIAS = 300  # OpenAI's own limit
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on alternatives per token
 MAX_BIAS = 100.0  # OpenAI's range for one bias: -100 bans a token, +100 forces it
 # Temperatures the engine represents exactly in float32: logits over the
 # smallest stay finite, and the largest still orders the vocabulary.
@@ -24,6 +25,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched on the host
     logprobs: bool = False
+    top_logprobs: int = 0  # the most likely alternatives' logprobs, per token
     # vLLM's extensions: EOS (and the model's other end tokens) do not end the
     # generation; no end token or stop id is sampled before ``min_tokens``
     # (counted from the prompt); ``min_p`` drops tokens less likely than that
@@ -50,6 +52,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError("seed must be in [0, 2**32)")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -66,7 +66,7 @@ class _Runner:
             kv.allocate(seq, n)
             slots = kv.slots_of([seq])
             block = kv.columns.matrix[:, slots]
-            sampled, _, _ = self.engine.run([seq], [n], [self.greedy], slots, block)
+            sampled = self.engine.run([seq], [n], [self.greedy], slots, block).tokens
             kv.commit(seq, n)
             token = int(sampled[0])
         self.engine.barrier()

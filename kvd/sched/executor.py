@@ -8,7 +8,7 @@ host-overhead benchmarks. Nothing here imports JAX.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -52,6 +52,18 @@ class ParamsLookup(Protocol):
     def __getitem__(self, index: int, /) -> SamplingParams | None: ...
 
 
+class StepOutput(NamedTuple):
+    """Per sequence of a step: its sampled token, that token's logprob, whether a
+    stop id ended it; and, when some sequence asked for alternatives, the most
+    likely tokens and their logprobs, best first (``[S, MAX_TOP_LOGPROBS]``)."""
+
+    tokens: Array
+    logprobs: Array
+    stopped: Array
+    top_ids: Array | None = None
+    top_logprobs: Array | None = None
+
+
 class Executor(Protocol):
     layout: PageLayout  # the pool's pages: one size, grouped by attention kind
     num_pages: int  # pages in the pool, the null page included
@@ -69,11 +81,11 @@ class Executor(Protocol):
         params: ParamsLookup,
         slots: Array,
         block: Array,
-    ) -> tuple[Array, Array, Array]:
+    ) -> StepOutput:
         """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated;
         ``slots``: their ``kv.slots_of``; ``block``: their columns before the
-        step) and return (sampled token, logprob, stopped by a stop id) per
-        sequence. The caller commits the computed tokens to the KV manager.
+        step) and return what each sampled. The caller commits the computed
+        tokens to the KV manager.
 
         Raises SequenceFault, with nothing computed, when one sequence's own
         inputs cannot be built; any other exception is the executor's failure."""

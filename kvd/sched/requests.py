@@ -150,6 +150,8 @@ class StepEvent(msgspec.Struct, frozen=True):
     finished: bool
     finish_reason: str | None = None
     detail: str | None = None  # why it failed ("error"), for its client
+    # The most likely tokens and their logprobs, best first, when asked for.
+    top: tuple[tuple[int, float], ...] | None = None
 
 
 class SlotInfo:

@@ -102,9 +102,7 @@ class Scheduler(TokenHandling):
         counts = work.counts
         self.sync_host_tier()
         try:
-            tokens, logprobs, stopped = self.executor.run(
-                seqs, counts, ParamsOf(requests), slots, block
-            )
+            output = self.executor.run(seqs, counts, ParamsOf(requests), slots, block)
         except SequenceFault as fault:
             # Nothing ran: the others' pages stay allocated from their computed
             # tokens, so the next step plans them again as if this one never was.
@@ -114,7 +112,7 @@ class Scheduler(TokenHandling):
             kv.commit_decodes(seqs, slots, block)
         else:
             kv.commit_batch(seqs, counts, slots)
-        self._record_tokens(work, seqs, slots, block, tokens, logprobs, stopped, events)
+        self._record_tokens(work, seqs, slots, block, output, events)
         return events
 
     def _schedule_decodes(self, plan: StepPlan) -> list[Request]:

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from kvd import faults
-from kvd.engine.sampling_params import SamplingParams
+from kvd.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from kvd.kv.columns import COMPUTED
 from kvd.kv.layout import PageLayout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
-from kvd.sched.executor import ExecutorLimits, ParamsLookup, SequenceFault
+from kvd.sched.executor import ExecutorLimits, ParamsLookup, SequenceFault, StepOutput
 
 Array = np.ndarray[Any, Any]
 UNWRITTEN = -1
@@ -120,7 +120,7 @@ class SimulatedExecutor:
         params: ParamsLookup,
         slots: Array,
         block: Array,
-    ) -> tuple[Array, Array, Array]:
+    ) -> StepOutput:
         started = time.perf_counter()
         self._inject_faults(seqs, params)
         if len(seqs) > self.limits.max_num_seqs:
@@ -131,12 +131,14 @@ class SimulatedExecutor:
         computed = block[COMPUTED].tolist()
         sampled = np.zeros(len(seqs), np.int64)
         stopped = np.zeros(len(seqs), np.bool_)
+        wanted: list[SamplingParams | None] = []
         for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             start = computed[i]
             end = start + n
             self._write(seq, start, end)
             if end == len(seq.tokens):
                 p = params[i]
+                wanted.append(p)
                 if p is None:
                     raise ValueError(f"no sampling parameters for sequence {seq.seq_id}")
                 early = end < self._min_end.get(seq.seq_id, 0)
@@ -145,7 +147,16 @@ class SimulatedExecutor:
                 sampled[i] = token
                 stopped[i] = token in p.stop_token_ids
         self.device_seconds += time.perf_counter() - started
-        return sampled, np.full(len(seqs), -0.5, np.float32), stopped
+        top_ids = top_logprobs = None
+        if any(p is not None and p.top_logprobs for p in wanted):
+            # The model's alternatives: the sampled token first, then the next ids.
+            top_ids = (sampled[:, None] + np.arange(MAX_TOP_LOGPROBS)) % self.limits.vocab_size
+            top_logprobs = np.broadcast_to(
+                -0.5 - np.arange(MAX_TOP_LOGPROBS, dtype=np.float32), top_ids.shape
+            )
+        return StepOutput(
+            sampled, np.full(len(seqs), -0.5, np.float32), stopped, top_ids, top_logprobs
+        )
 
     def _inject_faults(self, seqs: list[Sequence], params: ParamsLookup) -> None:
         action = faults.fire("step")

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvd.kv.columns import COMPUTED, LENGTH
 from kvd.kv.sequence import Sequence
+from kvd.sched.executor import StepOutput
 from kvd.sched.preemption import Preemption
 from kvd.sched.requests import Request, StepEvent, StepWork
 
@@ -77,9 +79,7 @@ class TokenHandling(Preemption):
         seqs: list[Sequence],
         slots: np.ndarray[Any, Any],
         block: np.ndarray[Any, Any],
-        tokens: np.ndarray[Any, Any],
-        logprobs: np.ndarray[Any, Any],
-        stopped: np.ndarray[Any, Any],
+        output: StepOutput,
         events: list[StepEvent],
     ) -> None:
         """Turn one step's sampled tokens into events, as array operations over
@@ -91,9 +91,9 @@ class TokenHandling(Preemption):
             work.counts,
             slots,
             block,
-            tokens,
-            logprobs,
-            stopped,
+            output.tokens,
+            output.logprobs,
+            output.stopped,
             self._is_stop,
             info.stop_length,
             info.ignore_eos,
@@ -122,6 +122,8 @@ class TokenHandling(Preemption):
             finished.tolist(),
             reasons,
         )
+        if output.top_ids is not None:
+            self._attach_top(events, requests, out.keep, output.top_ids, output.top_logprobs)
         for i in ends:
             self._finish(requests[i], reasons[i])  # type: ignore[arg-type]
         served = np.bincount(info.tenant[slots])
@@ -129,6 +131,26 @@ class TokenHandling(Preemption):
             tenant, count = self.tenant_names[index], int(served[index])
             self.counters.charge(tenant, output_tokens=count)  # fair share, once per tenant
             self.tenant_stats[tenant].completion_tokens += count
+
+    @staticmethod
+    def _attach_top(
+        events: list[StepEvent],
+        requests: list[Request],
+        keep: Array | None,
+        ids: Array,
+        logprobs: Array | None,
+    ) -> None:
+        """The alternatives of the requests that asked (the last events, one per
+        request), cut to as many as each asked for."""
+        assert logprobs is not None
+        if keep is not None:
+            ids, logprobs = ids[keep], logprobs[keep]
+        first = len(events) - len(requests)
+        for i, request in enumerate(requests):
+            k = request.params.top_logprobs
+            if k:
+                top = tuple(zip(ids[i, :k].tolist(), logprobs[i, :k].tolist(), strict=True))
+                events[first + i] = msgspec.structs.replace(events[first + i], top=top)
 
     def _observe_latency(
         self, requests: list[Request], slots: np.ndarray[Any, Any], now: float

@@ -20,6 +20,7 @@ from kvd.engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     SamplingParams,
 )
@@ -117,7 +118,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, frozen=True):
     prompt: str | list[Any] = ""
-    logprobs: Annotated[int, Meta(ge=0)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -144,7 +145,7 @@ class ChatRequest(_Common, forbid_unknown_fields=True, frozen=True):
     )
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Any], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None
@@ -251,18 +252,13 @@ def _unsupported(request: _Common) -> None:
             (bool(request.echo), "echo", "echo is not supported"),
             (request.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
             (bool(request.suffix), "suffix", "suffix is not supported"),
-            (
-                bool(request.logprobs),
-                "logprobs",
-                "only the chosen tokens' logprobs are returned: use logprobs=0",
-            ),
         ]
     if isinstance(request, ChatRequest):
         checks += [
             (
-                bool(request.top_logprobs),
+                bool(request.top_logprobs) and not request.logprobs,
                 "top_logprobs",
-                "only the chosen tokens' logprobs are returned: use logprobs=true alone",
+                "top_logprobs needs logprobs=true",
             ),
             (bool(request.tools), "tools", "tool calls are not supported"),
             (
@@ -370,6 +366,7 @@ def prepare(
             raise ApiError(400, str(exc), param="messages") from None
         max_tokens = request.max_completion_tokens or request.max_tokens
         want_logprobs = bool(request.logprobs)
+        top_logprobs = request.top_logprobs or 0
     else:
         assert isinstance(request, CompletionRequest)
         if isinstance(request.prompt, str):
@@ -380,6 +377,7 @@ def prepare(
             prompt = _token_prompt(request.prompt, vocab)
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         want_logprobs = request.logprobs is not None
+        top_logprobs = request.logprobs or 0
     problem = prompt_problem(prompt, vocab, max_model_len)
     if problem is not None:
         raise ApiError(
@@ -426,6 +424,7 @@ def prepare(
         stop_token_ids=stop_ids,
         stop=stop,
         logprobs=want_logprobs,
+        top_logprobs=top_logprobs,
         ignore_eos=bool(request.ignore_eos),
         min_tokens=min_tokens,
         min_p=request.min_p or 0.0,

@@ -61,6 +61,7 @@ class Relay:
         self.text = TextStream(state.tokenizer, prepared.params.stop)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list[tuple[tuple[int, float], ...]] = []  # alternatives, when asked
         self.finish_reason: str | None = None
         self.failure: str | None = None  # why it ended with an error
         self.first_token_at: float | None = None
@@ -121,6 +122,8 @@ class Relay:
             delta = self.text.push_many([e.token for e in events])  # type: ignore[misc]
         self.tokens.extend(e.token for e in events)  # type: ignore[misc]
         self.logprobs.extend(e.logprob for e in events)
+        if self.prepared.params.top_logprobs:
+            self.tops.extend(e.top or () for e in events)
         if finish is not None:
             self.finish_reason = finish
             delta += self.text.flush()  # nothing after a stop string
@@ -142,9 +145,9 @@ class Relay:
     def _logprobs(self, start: int, text_offset: int) -> dict[str, Any] | None:
         if not self.prepared.params.logprobs:
             return None
-        tokenizer = self.tokenizer
         ids, values = self.tokens[start:], self.logprobs[start:]
-        pieces = [tokenizer.decode([t], skip_special=False) for t in ids]
+        pieces = [self._piece(t) for t in ids]
+        tops = self.tops[start:] if self.prepared.params.top_logprobs else [()] * len(ids)
         if self.chat:
             return {
                 "content": [
@@ -152,9 +155,12 @@ class Relay:
                         "token": piece,
                         "logprob": value,
                         "bytes": list(piece.encode()),
-                        "top_logprobs": [],
+                        "top_logprobs": [
+                            {"token": p, "logprob": v, "bytes": list(p.encode())}
+                            for p, v in ((self._piece(t), v) for t, v in top)
+                        ],
                     }
-                    for piece, value in zip(pieces, values, strict=True)
+                    for piece, value, top in zip(pieces, values, tops, strict=True)
                 ]
             }
         offsets, at = [], text_offset
@@ -164,9 +170,15 @@ class Relay:
         return {
             "tokens": pieces,
             "token_logprobs": values,
-            "top_logprobs": None,
+            # Keyed by text, as OpenAI's are (two ids with one text: the likelier).
+            "top_logprobs": [{self._piece(t): v for t, v in reversed(top)} for top in tops]
+            if self.prepared.params.top_logprobs
+            else None,
             "text_offset": offsets,
         }
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special=False)
 
     async def collect(self) -> dict[str, Any]:
         parts: list[str] = []

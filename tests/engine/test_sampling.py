@@ -1,7 +1,7 @@
 """Choosing tokens on the device against numpy oracles: top-k and top-p exact
 over the whole vocabulary (the set a sampled token comes from equals a sort's,
 whether the cut falls among the candidates or beyond them), logit biases,
-min_tokens' masking and min_p."""
+min_tokens' masking, min_p and the top logprobs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from kvd.engine.sampling import (
     CANDIDATES,
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
+    MAX_TOP_LOGPROBS,
     SamplingBatch,
     exact_keep,
     sample,
@@ -89,7 +90,7 @@ def test_sampled_tokens_stay_in_the_exact_set(kind: str, top_k: int, top_p: floa
     draws = 64
     logits = jnp.asarray(np.repeat(row[:, None], draws, axis=1))  # [V, S]: one row, 64 seeds
     step = jax.jit(sample)
-    tokens, _, _ = step(logits, _batch(draws, top_k, top_p, seed=1))
+    tokens, *_ = step(logits, _batch(draws, top_k, top_p, seed=1))
     seen = set(np.asarray(tokens).tolist())
     assert seen <= allowed
     # The draws are spread over the set, not stuck on its best token.
@@ -109,10 +110,10 @@ def test_a_batch_mixes_exact_paths_per_row() -> None:
     top_p = jnp.asarray([0.9] * (BEYOND_ROWS + 2) + [1.0, 1.0, 1.0], jnp.float32)
     temperature = jnp.asarray([1.0] * (n - 1) + [0.0], jnp.float32)
     batch = _batch(n, 0, 1.0, seed=5)._replace(top_k=top_k, top_p=top_p, temperature=temperature)
-    together, _, _ = jax.jit(sample)(logits, batch)
+    together, *_ = jax.jit(sample)(logits, batch)
     for i in range(n):
         alone_batch = SamplingBatch(*(field[i : i + 1] for field in batch))
-        alone, _, _ = jax.jit(sample)(logits[:, i : i + 1], alone_batch)
+        alone, *_ = jax.jit(sample)(logits[:, i : i + 1], alone_batch)
         assert int(alone[0]) == int(together[i]), i
         if i < BEYOND_ROWS + 2:
             assert int(alone[0]) in oracle_keep(rows[i].astype(np.float32), 0, 0.9)
@@ -139,7 +140,7 @@ def test_logit_bias_moves_greedy_and_sampled_choices_as_numpy_does() -> None:
         biases=jnp.asarray(biases),
         want_logprobs=jnp.ones(rows, bool),
     )
-    tokens, logprobs, _ = jax.jit(sample)(jnp.asarray(logits), batch)
+    tokens, logprobs, *_ = jax.jit(sample)(jnp.asarray(logits), batch)
     biased = logits.copy()
     for r in range(rows):
         for token, bias in zip(ids[r], biases[r], strict=True):
@@ -175,11 +176,11 @@ def test_min_tokens_masks_end_tokens_and_stop_ids_until_its_position() -> None:
         seeds=jnp.arange(rows, dtype=jnp.uint32),
     )
     step = jax.jit(partial(sample, end_ids=(5, 6)))
-    tokens, _, stopped = step(jnp.asarray(logits), batch)
+    tokens, _, stopped, *_ = step(jnp.asarray(logits), batch)
     assert np.asarray(tokens).tolist() == [11, 11, 5, 11, 5, 11]
     assert not np.asarray(stopped).any()
     logits[5] = 0.0  # now the stop id leads: sampled, and it stops the row
-    tokens, _, stopped = step(jnp.asarray(logits), batch)
+    tokens, _, stopped, *_ = step(jnp.asarray(logits), batch)
     assert np.asarray(tokens).tolist() == [11, 11, 9, 11, 9, 11]
     assert np.asarray(stopped).tolist() == [False, False, True, False, True, False]
 
@@ -207,7 +208,36 @@ def test_min_p_draws_stay_in_numpys_set(min_p: float, top_k: int) -> None:
         min_p=jnp.full(draws, min_p, jnp.float32),
     )
     logits = jnp.asarray(np.repeat(row[:, None], draws, axis=1))
-    tokens, _, _ = jax.jit(sample)(logits, batch)
+    tokens, *_ = jax.jit(sample)(logits, batch)
     seen = set(np.asarray(tokens).tolist())
     assert seen <= allowed
     assert len(seen) >= min(len(allowed), 3)
+
+
+def test_top_logprobs_are_numpys_best_tokens_of_the_log_softmax() -> None:
+    """The alternatives are the model's most likely tokens, best first, with
+    their log-softmax values (before biases); a batch where no row asks gets
+    zeros (the pass is skipped)."""
+    rng = np.random.default_rng(8)
+    rows = 3
+    logits = rng.normal(0, 2, (VOCAB, rows)).astype(np.float32)
+    bias_ids = np.full((rows, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_ids[0, 0] = 3
+    biases = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+    biases[0, 0] = 100.0
+    batch = sampling_batch(
+        rows,
+        top_count=jnp.asarray([20, 0, 5], jnp.int32),
+        bias_ids=jnp.asarray(bias_ids),
+        biases=jnp.asarray(biases),
+    )
+    step = jax.jit(sample)
+    _, _, _, ids, values = step(jnp.asarray(logits), batch)
+    shifted = logits - logits.max(0)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(0))
+    for r in range(rows):
+        best = np.argsort(-log_softmax[:, r], kind="stable")[:MAX_TOP_LOGPROBS]
+        assert np.asarray(ids)[r].tolist() == best.tolist()
+        np.testing.assert_allclose(np.asarray(values)[r], log_softmax[best, r], atol=1e-5)
+    _, _, _, ids, values = step(jnp.asarray(logits), sampling_batch(rows))
+    assert not np.asarray(ids).any() and not np.asarray(values).any()

@@ -391,3 +391,34 @@ def test_biases_and_min_tokens_reach_the_engines_step(engine) -> None:  # type: 
     assert out["unmasked"] == [first]  # the stop id ends it at once
     assert len(out["masked"]) >= 4 and first not in out["masked"][:4]
     assert out["masked"][-1] == first or len(out["masked"]) == 8
+
+
+def test_top_logprobs_come_from_the_engines_step(engine) -> None:  # type: ignore[no-untyped-def]
+    """Alternatives only for the request that asked, as many as it asked, the
+    greedy token first with the logprob reported for it."""
+    scheduler = Scheduler(engine)
+    scheduler.set_tenant(TenantConfig("t", max_queue=16))
+    scheduler.submit(
+        "top",
+        "t",
+        prompt(4, 7),
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=True, top_logprobs=5),
+    )
+    scheduler.submit(
+        "plain", "t", prompt(5, 7), SamplingParams(temperature=0.0, max_tokens=6, logprobs=True)
+    )
+    seen = {"top": 0, "plain": 0}
+    while scheduler.has_work():
+        for event in scheduler.step():
+            if event.token is None:
+                continue
+            seen[event.request_id] += 1
+            if event.request_id == "plain":
+                assert event.top is None
+                continue
+            assert event.top is not None and len(event.top) == 5
+            assert event.top[0][0] == event.token
+            assert abs(event.top[0][1] - event.logprob) < 1e-5
+            values = [v for _, v in event.top]
+            assert values == sorted(values, reverse=True) and values[0] <= 0
+    assert seen == {"top": 6, "plain": 6}

@@ -221,6 +221,52 @@ async def test_sampling_extensions_and_logprobs(served: Served) -> None:
         {"model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 0, "stream": True},
     )
     assert status == 200
+    # Alternatives: OpenAI's shapes, as many as asked, the chosen token's
+    # value among them (the simulated model's best is what greedy picks).
+    result = await oai.completions.create(
+        model=MODEL, prompt="Once", max_tokens=4, temperature=0, logprobs=3
+    )
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.top_logprobs) == 4
+    for token, value, top in zip(
+        logprobs.tokens or [], logprobs.token_logprobs or [], logprobs.top_logprobs, strict=True
+    ):
+        assert 1 <= len(top) <= 3 and top[token] == value == max(top.values())
+    chat = await oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    response = await served.post(
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 4,
+            "stream": True,
+        },
+    )
+    lines = (await response.get_data()).decode().splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    streamed = [
+        entry
+        for chunk in chunks
+        for choice in chunk["choices"]
+        for entry in (choice["logprobs"] or {}).get("content") or []
+    ]
+    assert len(streamed) == 3 and all(len(e["top_logprobs"]) == 4 for e in streamed)
 
 
 async def test_the_benchmark_tools_extensions(served: Served) -> None:
@@ -371,6 +417,24 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "logprobs": True,
+            "top_logprobs": 21,
+        },
+        400,
+        "top_logprobs",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos"),
     (
         "/v1/completions",
