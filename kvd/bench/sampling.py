@@ -1,7 +1,9 @@
 """What one sampling call costs at a real vocabulary, by path: greedy,
 temperature alone (Gumbel-max over the vocabulary), top-k/top-p cut among the
 candidates, and cut over the whole vocabulary by bisection (all rows, or one
-row of the batch). Times are the best of a few calls, after compiling."""
+row of the batch); and what one row's logit biases, min_tokens mask, min_p or
+top logprobs cost a batch whose other rows ask for none. Times are the best of
+a few calls, after compiling."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 5) -> Samplin
     import jax.numpy as jnp
     import numpy as np
 
-    from kvd.engine.sampling import SamplingBatch, sample, sampling_batch
+    from kvd.engine.sampling import MAX_LOGIT_BIAS, SamplingBatch, sample, sampling_batch
 
     rng = np.random.default_rng(0)
     # Peaked: a few tokens hold the mass (a nucleus among the candidates).
@@ -69,6 +71,33 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 5) -> Samplin
         "one flat top_p 0.9 row, the rest top_k 40": (
             one_flat,
             params(1.0, [0] + [40] * rest, [0.9] + [1.0] * rest),
+        ),
+    }
+    # What one row's extras cost the batch (against "greedy" and "temperature
+    # alone" above, where no row asks and each pass is skipped).
+    one_row = jnp.arange(batch) == 0
+    greedy = params(0.0, [0] * batch, [1.0] * batch)
+    bias_ids = (
+        jnp.full((batch, MAX_LOGIT_BIAS), -1, jnp.int32).at[0].set(jnp.arange(MAX_LOGIT_BIAS))
+    )
+    cases |= {
+        "greedy, one row with 300 logit biases": (
+            peaked,
+            greedy._replace(bias_ids=bias_ids, biases=jnp.where(bias_ids >= 0, 1.5, 0.0)),
+        ),
+        "greedy, one row short of min_tokens": (
+            peaked,
+            greedy._replace(min_end=jnp.where(one_row, 100, 0).astype(jnp.int32)),
+        ),
+        "greedy, one row with 20 top logprobs": (
+            peaked,
+            greedy._replace(top_count=jnp.where(one_row, 20, 0).astype(jnp.int32)),
+        ),
+        "temperature, one row with min_p 0.05": (
+            peaked,
+            params(1.0, [0] * batch, [1.0] * batch)._replace(
+                min_p=jnp.where(one_row, 0.05, 0.0).astype(jnp.float32)
+            ),
         ),
     }
     step = jax.jit(sample)
