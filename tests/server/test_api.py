@@ -36,6 +36,12 @@ def client(served: Served, key: str = ALICE) -> openai.AsyncOpenAI:
     )
 
 
+async def sse_chunks(response: Any) -> list[Any]:
+    """A streamed reply's JSON chunks (the ``[DONE]`` line left out)."""
+    lines = (await response.get_data()).decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
 async def post(served: Served, path: str, body: Any, key: str | None = ALICE, **kw: Any) -> Any:
     response = await served.post(path, body, key, **kw)
     return response.status_code, await response.get_json(), response.headers
@@ -258,8 +264,7 @@ async def test_sampling_extensions_and_logprobs(served: Served) -> None:
             "stream": True,
         },
     )
-    lines = (await response.get_data()).decode().splitlines()
-    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    chunks = await sse_chunks(response)
     streamed = [
         entry
         for chunk in chunks
@@ -287,11 +292,7 @@ async def test_the_benchmark_tools_extensions(served: Served) -> None:
     }
     response = await served.post("/v1/completions", body)
     assert response.status_code == 200
-    chunks = [
-        json.loads(line[6:])
-        for line in (await response.get_data()).decode().splitlines()
-        if line.startswith("data: {")
-    ]
+    chunks = await sse_chunks(response)
     usages = [chunk["usage"] for chunk in chunks]
     assert all(u is not None for u in usages), usages
     prompt_tokens = usages[0]["prompt_tokens"]
@@ -303,11 +304,7 @@ async def test_the_benchmark_tools_extensions(served: Served) -> None:
     # Without continuous_usage_stats, usage comes once, at the end, as before.
     body["stream_options"] = {"include_usage": True}
     response = await served.post("/v1/completions", body)
-    chunks = [
-        json.loads(line[6:])
-        for line in (await response.get_data()).decode().splitlines()
-        if line.startswith("data: {")
-    ]
+    chunks = await sse_chunks(response)
     assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
     await served.assert_whole()
 
