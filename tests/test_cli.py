@@ -141,6 +141,6 @@ def test_bench_sampling_prints_figures() -> None:
     out = run("kvd", "bench", "sampling", "--batch", "2", "--vocabulary", "1024", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert len(report["cases"]) == 11 and all(c["ms"] > 0 for c in report["cases"])
+    assert len(report["cases"]) == 13 and all(c["ms"] > 0 for c in report["cases"])
     temperature = next(c for c in report["cases"] if c["name"] == "temperature alone")
     assert temperature["ratio_to_temperature"] == 1.0

@@ -1,9 +1,9 @@
 """What one sampling call costs at a real vocabulary, by path: greedy,
 temperature alone (Gumbel-max over the vocabulary), top-k/top-p cut among the
 candidates, and cut over the whole vocabulary by bisection (all rows, or one
-row of the batch); and what one row's logit biases, min_tokens mask, min_p or
-top logprobs cost a batch whose other rows ask for none. Times are the best of
-a few calls, after compiling."""
+row of the batch); and what one row's logit biases, min_tokens mask, min_p,
+penalties (over a 4,096-token history) or top logprobs cost a batch whose
+other rows ask for none. Times are the best of a few calls, after compiling."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+
+HISTORY = 4096  # tokens of each row's history (the default max_model_len)
 
 
 class SamplingCase(msgspec.Struct, frozen=True):
@@ -80,6 +82,16 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 5) -> Samplin
     bias_ids = (
         jnp.full((batch, MAX_LOGIT_BIAS), -1, jnp.int32).at[0].set(jnp.arange(MAX_LOGIT_BIAS))
     )
+    # Every row's history is sent (the step's shape), one row is penalized.
+    history = jnp.asarray(rng.integers(0, vocabulary, (batch, HISTORY)), jnp.int32)
+    penalties = {
+        "history": history,
+        "positions": jnp.full(batch, HISTORY, jnp.int32),
+        "prompt_end": jnp.full(batch, HISTORY // 2, jnp.int32),
+        "presence": jnp.where(one_row, 0.5, 0.0).astype(jnp.float32),
+        "frequency": jnp.where(one_row, 0.5, 0.0).astype(jnp.float32),
+        "repetition": jnp.where(one_row, 1.2, 1.0).astype(jnp.float32),
+    }
     cases |= {
         "greedy, one row with 300 logit biases": (
             peaked,
@@ -92,6 +104,11 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 5) -> Samplin
         "greedy, one row with 20 top logprobs": (
             peaked,
             greedy._replace(top_count=jnp.where(one_row, 20, 0).astype(jnp.int32)),
+        ),
+        "greedy, one row with the three penalties": (peaked, greedy._replace(**penalties)),
+        "temperature, one row with the three penalties": (
+            peaked,
+            params(1.0, [0] * batch, [1.0] * batch)._replace(**penalties),
         ),
         "temperature, one row with min_p 0.05": (
             peaked,

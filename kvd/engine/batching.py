@@ -65,16 +65,20 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 # A sequence's sampling row. Ints: top_k, seed, position, logprobs wanted,
 # the position from which end tokens may be sampled (min_tokens), how many
-# alternatives' logprobs, stop ids, biased token ids. Floats: temperature,
-# top_p, min_p, the biases. A row without biases holds -1 ids; the device step
+# alternatives' logprobs, where the prompt ends, stop ids, biased token ids.
+# Floats: temperature, top_p, min_p, the presence, frequency and repetition
+# penalties, the biases. A row without biases holds -1 ids; the device step
 # skips biases when no row has one.
 SAMPLING_MIN_END = 4
 SAMPLING_TOP = 5
-SAMPLING_STOP = 6
+SAMPLING_PROMPT = 6
+SAMPLING_STOP = 7
 SAMPLING_BIAS = SAMPLING_STOP + MAX_STOP_IDS
 SAMPLING_INTS = SAMPLING_BIAS + MAX_LOGIT_BIAS
-SAMPLING_FLOAT_BIAS = 3
+SAMPLING_PENALTIES = 3  # presence, frequency, repetition
+SAMPLING_FLOAT_BIAS = 6
 SAMPLING_FLOATS = SAMPLING_FLOAT_BIAS + MAX_LOGIT_BIAS
+NEUTRAL_PENALTIES = (0.0, 0.0, 1.0)
 
 
 def write_table_row(
@@ -104,14 +108,27 @@ class SequenceRows:
     A sequence's row is its KV column slot + 1; row 0 stays null: an all-null
     table (padding reads only the null page) and greedy sampling without stop ids.
 
+    Penalties need the tokens so far: rows whose sequence has a penalty keep
+    them in ``history`` (``history_width`` each, allocated when a first
+    sequence asks), appended to as the sequence grows.
+
     Sliding groups' tables are rings (``rings[g]`` entries, block b at
     ``b % rings[g]``; see ``sliding_ring``). Released blocks are not written
     back as null there: the attention never reads an entry outside the blocks
     its queries see, and by then a newer block may own it.
     """
 
-    def __init__(self, groups: int, width: int, rings: np.ndarray[Any, Any] | None = None) -> None:
+    def __init__(
+        self,
+        groups: int,
+        width: int,
+        rings: np.ndarray[Any, Any] | None = None,
+        history_width: int = 0,
+    ) -> None:
         self.groups, self.width = groups, width
+        self.history_width = history_width
+        self.history: np.ndarray[Any, Any] | None = None  # [rows, history_width] token ids
+        self.filled = np.zeros(1, np.int64)  # tokens of each row's history written
         self.rings = rings if rings is not None else np.full(groups, NOT_A_RING, np.int32)
         self._ring_groups = [g for g in range(groups) if self.rings[g] < width]
         self.capacity = 0
@@ -132,7 +149,15 @@ class SequenceRows:
         ints[: len(self.ints)] = self.ints
         floats = np.zeros((rows, SAMPLING_FLOATS), np.float32)
         floats[:, 1] = 1.0  # top_p off
+        floats[:, SAMPLING_PENALTIES : SAMPLING_PENALTIES + 3] = NEUTRAL_PENALTIES
         floats[: len(self.floats)] = self.floats
+        filled = np.zeros(rows, np.int64)
+        filled[: len(self.filled)] = self.filled
+        self.filled = filled
+        if self.history is not None:
+            history = np.full((rows, self.history_width), -1, np.int32)
+            history[: len(self.history)] = self.history
+            self.history = history
         stamps = np.full(rows, -1, np.int64)
         stamps[: len(self.stamps)] = self.stamps
         stamps[0] = 0
@@ -170,6 +195,7 @@ class SequenceRows:
                     if faults.fire("sequence") == "raise":
                         raise faults.InjectedFault("injected: a sequence's inputs")
                     self._write_sampling(int(rows[i]), params[i], len(seqs[i].tokens))  # type: ignore[arg-type]
+                    self.filled[rows[i]] = 0
                 except (ValueError, TypeError, OverflowError, faults.InjectedFault) as exc:
                     # Its own parameters: the rows written so far are valid
                     # for the next step, which runs without it.
@@ -209,13 +235,22 @@ class SequenceRows:
         ints[1] = np.uint32(seed).view(np.int32)
         ints[2] = 0  # the position, filled per step
         ints[3] = params.logprobs
-        ints[SAMPLING_MIN_END] = length + params.min_tokens if params.min_tokens else 0
+        if params.resumed_output > length:
+            raise ValueError("resumed_output exceeds the sequence")
+        prompt = length - params.resumed_output
+        ints[SAMPLING_MIN_END] = prompt + params.min_tokens if params.min_tokens else 0
         ints[SAMPLING_TOP] = params.top_logprobs
+        ints[SAMPLING_PROMPT] = prompt
         ints[SAMPLING_STOP:] = -1
         ints[SAMPLING_STOP : SAMPLING_STOP + len(params.stop_token_ids)] = params.stop_token_ids
         floats[0] = params.temperature
         floats[1] = params.top_p
         floats[2] = params.min_p
+        floats[SAMPLING_PENALTIES : SAMPLING_PENALTIES + 3] = (
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+        )
         floats[SAMPLING_FLOAT_BIAS:] = 0.0
         if params.logit_bias:
             ids, biases = zip(*params.logit_bias, strict=True)
@@ -229,6 +264,29 @@ class SequenceRows:
         ints = self.ints[rows]
         ints[: len(positions), 2] = positions
         return ints.ravel(), self.floats[rows].ravel()
+
+    def penalized(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Which of ``rows`` have a penalty (bool per row)."""
+        values = self.floats[rows, SAMPLING_PENALTIES : SAMPLING_PENALTIES + 3]
+        return (values != NEUTRAL_PENALTIES).any(axis=1)  # type: ignore[no-any-return]
+
+    def histories(
+        self, rows: np.ndarray[Any, Any], seqs: Seq[Sequence], ends: np.ndarray[Any, Any]
+    ) -> np.ndarray[Any, Any]:
+        """The token histories of ``rows`` ``[len(rows), history_width]`` (-1
+        past each end), brought up to ``ends`` for the penalized rows of
+        ``seqs`` (the first ``len(seqs)`` of ``rows``): only the tokens a row
+        has not written yet are copied."""
+        if self.history is None:
+            self.history = np.full((len(self.ints), self.history_width), -1, np.int32)
+        history, filled = self.history, self.filled
+        for i in np.flatnonzero(self.penalized(rows[: len(seqs)])).tolist():
+            row, end = int(rows[i]), int(ends[i])
+            start = int(filled[row])
+            if start < end:
+                history[row, start:end] = seqs[i].tokens[start:end]
+                filled[row] = end
+        return history[rows]
 
 
 def build_step_batch(

@@ -30,6 +30,8 @@ from kvd.engine.batching import (
     SAMPLING_FLOATS,
     SAMPLING_INTS,
     SAMPLING_MIN_END,
+    SAMPLING_PENALTIES,
+    SAMPLING_PROMPT,
     SAMPLING_STOP,
     SAMPLING_TOP,
     SequenceRows,
@@ -106,11 +108,13 @@ def head_and_sample(
     rows: jax.Array,
     ints: jax.Array,
     floats: jax.Array,
+    history: jax.Array,
     *,
     seqs: int,
 ) -> tuple[jax.Array, ...]:
     """Logits and sampling for the first S rows, from packed sampling arrays
-    (one ``SequenceRows`` sampling row per sequence)."""
+    (one ``SequenceRows`` sampling row per sequence) and the token histories
+    ``[S, H]`` (read only when a row has a penalty)."""
     ints = ints.reshape(seqs, SAMPLING_INTS)
     floats = floats.reshape(seqs, SAMPLING_FLOATS)
     sampling = SamplingBatch(
@@ -126,6 +130,11 @@ def head_and_sample(
         bias_ids=ints[:, SAMPLING_BIAS:],
         biases=floats[:, SAMPLING_FLOAT_BIAS:],
         top_count=ints[:, SAMPLING_TOP],
+        prompt_end=ints[:, SAMPLING_PROMPT],
+        presence=floats[:, SAMPLING_PENALTIES],
+        frequency=floats[:, SAMPLING_PENALTIES + 1],
+        repetition=floats[:, SAMPLING_PENALTIES + 2],
+        history=history,
     )
     return sample(head_vocab_major(spec, params, rows[:seqs]), sampling, end_ids)
 
@@ -328,7 +337,10 @@ class Engine:
         self.decode_seconds = 0.0
         self._warm = False
         self._max_blocks = max_blocks
-        self._rows = SequenceRows(self.layout.num_groups, max_blocks, self.rings)
+        self._rows = self._new_rows()
+        # Token histories for a step no row of which has a penalty: one device
+        # array per sequence bucket, made once (nothing is sent per step).
+        self._no_history: dict[int, Any] = {}
         self._table_edits: list[tuple[int, int, int, int]] = []
         self.kv: KVManager | None = None  # whose tables the steps read (``bind``)
         self.limits = ExecutorLimits(
@@ -347,9 +359,28 @@ class Engine:
         if kv.layout != self.layout or kv.pool.num_pages != self.num_pages:
             raise EngineError("the KV manager's layout or pool size is not this engine's")
         self.kv = kv
-        self._rows = SequenceRows(self.layout.num_groups, self._max_blocks, self.rings)
+        self._rows = self._new_rows()
         self._table_edits = kv.log_table_edits()
         self._table_edits.clear()
+
+    def _new_rows(self) -> SequenceRows:
+        return SequenceRows(
+            self.layout.num_groups, self._max_blocks, self.rings, self.config.max_model_len
+        )
+
+    def _histories(
+        self, rows: np.ndarray[Any, Any], seqs: list[Sequence], ends: np.ndarray[Any, Any]
+    ) -> Any:
+        """The head's token histories for ``rows`` (a sequence bucket's)."""
+        if self._rows.penalized(rows[: len(seqs)]).any():
+            return self._put(self._rows.histories(rows, seqs, ends))
+        empty = self._no_history.get(len(rows))
+        if empty is None:
+            empty = jax.device_put(
+                np.full((len(rows), self.config.max_model_len), -1, np.int32), self._replicated
+            )
+            self._no_history[len(rows)] = empty
+        return empty
 
     def barrier(self) -> None:
         """Wait for every dispatched program (a copy-in returns before it lands)."""
@@ -493,8 +524,16 @@ class Engine:
             return program
         ints = self._spec((seqs * SAMPLING_INTS,), jnp.int32)
         floats = self._spec((seqs * SAMPLING_FLOATS,), jnp.float32)
+        history = self._spec((seqs, self.config.max_model_len), jnp.int32)
         return self._program(
-            ("head", seqs, 0), self._head, self.params, self._rows_spec(), ints, floats, seqs=seqs
+            ("head", seqs, 0),
+            self._head,
+            self.params,
+            self._rows_spec(),
+            ints,
+            floats,
+            history,
+            seqs=seqs,
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -551,12 +590,13 @@ class Engine:
             flat = pack(batch)
             ends = batch.positions[batch.sample_index[:count]] + 1
         ints, floats = cache.sampling(rows[:seqs_bucket], ends)
+        history = self._histories(rows[:seqs_bucket], seqs, ends)
         body_program = self._body_program(tokens_bucket, width)
         head_program = self._head_program(seqs_bucket)
         started = time.perf_counter()
         hidden, self.pool = body_program(self.params, self.pool, self._put(flat))
         sampled, logprobs, stopped, top_ids, top_logprobs = head_program(
-            self.params, hidden, self._put(ints), self._put(floats)
+            self.params, hidden, self._put(ints), self._put(floats), history
         )
         sampled, logprobs, stopped = np.asarray(sampled), np.asarray(logprobs), np.asarray(stopped)
         top = None

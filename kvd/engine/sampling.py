@@ -17,9 +17,11 @@ whole vocabulary. Pure temperature sampling uses the whole vocabulary
 (Gumbel-max).
 
 Before any of that, as vLLM orders them: logit biases are added, the end
-tokens and stop ids of a row short of its ``min_tokens`` are masked, and
-after the temperature, ``min_p`` drops what is less likely than its share of
-the best token. Each is skipped at run time when no row of the batch asks for
+tokens and stop ids of a row short of its ``min_tokens`` are masked, the
+repetition, frequency and presence penalties are applied (from each row's
+token history: counted on the device, one scatter for the batch), and after
+the temperature, ``min_p`` drops what is less likely than its share of the
+best token. Each is skipped at run time when no row of the batch asks for
 it. The logprobs returned are the model's own (before these adjustments).
 """
 
@@ -48,6 +50,7 @@ __all__ = [
     "MAX_TEMPERATURE",
     "MIN_TEMPERATURE",
     "SamplingParams",
+    "adjusted_logits",
     "sample",
 ]
 
@@ -65,6 +68,11 @@ class SamplingBatch(NamedTuple):
     bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] int32, -1 padding
     biases: jax.Array  # [S, MAX_LOGIT_BIAS] f32
     top_count: jax.Array  # [S] int32: alternatives' logprobs wanted (0: none)
+    prompt_end: jax.Array  # [S] int32: history positions below this are the prompt
+    presence: jax.Array  # [S] f32, 0 = off
+    frequency: jax.Array  # [S] f32, 0 = off
+    repetition: jax.Array  # [S] f32, 1 = off
+    history: jax.Array  # [S, H] int32: the tokens at positions 0.. (read below ``positions``)
 
 
 def sampling_batch(rows: int, **fields: Any) -> SamplingBatch:
@@ -82,6 +90,11 @@ def sampling_batch(rows: int, **fields: Any) -> SamplingBatch:
         "bias_ids": jnp.full((rows, MAX_LOGIT_BIAS), -1, jnp.int32),
         "biases": jnp.zeros((rows, MAX_LOGIT_BIAS), jnp.float32),
         "top_count": jnp.zeros(rows, jnp.int32),
+        "prompt_end": jnp.zeros(rows, jnp.int32),
+        "presence": jnp.zeros(rows, jnp.float32),
+        "frequency": jnp.zeros(rows, jnp.float32),
+        "repetition": jnp.ones(rows, jnp.float32),
+        "history": jnp.full((rows, 1), -1, jnp.int32),
     }
     return SamplingBatch(**(neutral | fields))
 
@@ -101,7 +114,7 @@ def sample(
     time with ``lax.cond``: one compiled program, no wasted work.
     """
     model_logits = logits
-    logits = _adjust(logits, params, end_ids)
+    logits = adjusted_logits(logits, params, end_ids)
     greedy = jnp.argmax(logits, axis=0).astype(jnp.int32)
     tokens = jax.lax.cond(
         jnp.all(params.temperature == 0.0),
@@ -132,9 +145,13 @@ def sample(
     return tokens, logprobs, stopped, top_ids, top_logprobs
 
 
-def _adjust(logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...]) -> jax.Array:
-    """Logit biases added, then end tokens and stop ids masked for rows short
-    of their ``min_tokens``; each only when some row of the batch has it."""
+def adjusted_logits(
+    logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...] = ()
+) -> jax.Array:
+    """The logits ``[V, S]`` the choice is made from, before the temperature:
+    logit biases added, end tokens and stop ids masked for rows short of
+    their ``min_tokens``, then the penalties; each only when some row of the
+    batch has it."""
     vocab, seqs = logits.shape
     rows = jnp.arange(seqs)
 
@@ -151,7 +168,39 @@ def _adjust(logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...]) 
         ids = jnp.where((ids < 0) | ~early[:, None], vocab, ids)  # dropped
         return logits.at[ids.T, rows[None, :]].set(-jnp.inf, mode="drop")
 
-    return jax.lax.cond(jnp.any(early), masked, lambda: logits)
+    logits = jax.lax.cond(jnp.any(early), masked, lambda: logits)
+    penalized = (params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)
+    return jax.lax.cond(
+        jnp.any(penalized), lambda: _penalize(logits, params, penalized), lambda: logits
+    )
+
+
+def _penalize(logits: jax.Array, params: SamplingBatch, penalized: jax.Array) -> jax.Array:
+    """vLLM's penalties over vocabulary-major logits ``[V, S]``: a token seen in
+    the prompt or the output has a positive logit divided by the repetition
+    penalty and a negative one multiplied; then each generated occurrence
+    takes the frequency penalty off, and having occurred at all the presence
+    penalty. Sparse: gathers and scatters at the history's tokens below
+    ``positions`` (``S x H`` of them), never a dense ``[V, S]`` count."""
+    vocab, seqs = logits.shape
+    where = jnp.arange(params.history.shape[1])[None, :]  # [1, H]
+    known = (where < params.positions[:, None]) & penalized[:, None]
+    generated = known & (where >= params.prompt_end[:, None])
+    rows = jnp.arange(seqs)[None, :]
+    seen = jnp.where(known, params.history, vocab).T  # [H, S]; vocab: dropped
+    out = jnp.where(generated, params.history, vocab).T
+    # Duplicates write the same value: each token is changed once.
+    at = logits.at[seen, rows].get(mode="fill", fill_value=0.0)
+    repetition = params.repetition[None, :]
+    logits = logits.at[seen, rows].set(
+        jnp.where(at > 0, at / repetition, at * repetition), mode="drop"
+    )
+    # Duplicates add up: the frequency penalty once per occurrence.
+    logits = logits.at[out, rows].add(
+        jnp.broadcast_to(-params.frequency[None, :], out.shape), mode="drop"
+    )
+    at = logits.at[out, rows].get(mode="fill", fill_value=0.0)
+    return logits.at[out, rows].set(at - params.presence[None, :], mode="drop")
 
 
 def _min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:

@@ -10,6 +10,8 @@ MAX_STOP_IDS = 8
 MAX_LOGIT_BIAS = 300  # OpenAI's own limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on alternatives per token
 MAX_BIAS = 100.0  # OpenAI's range for one bias: -100 bans a token, +100 forces it
+MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+MAX_REPETITION_PENALTY = 10.0  # transformers' and vLLM's: > 0; 1 is off
 # Temperatures the engine represents exactly in float32: logits over the
 # smallest stay finite, and the largest still orders the vocabulary.
 MIN_TEMPERATURE = 1e-6
@@ -34,6 +36,17 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # OpenAI's penalties, over the tokens generated so far: ``presence`` once
+    # for every token that appeared, ``frequency`` times its count. vLLM's
+    # (transformers') ``repetition_penalty`` over the prompt and the output:
+    # a positive logit divided by it, a negative one multiplied.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Set by the scheduler, not by a client: tokens of this request's output
+    # already in its sequence when it starts (a sequence recomputed after a
+    # preemption), so the prompt ends that many tokens before the sequence does.
+    resumed_output: int = 0
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
@@ -60,3 +73,17 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         if any(not -MAX_BIAS <= bias <= MAX_BIAS for _, bias in self.logit_bias):
             raise ValueError(f"a logit bias must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
+        if self.resumed_output < 0:
+            raise ValueError("resumed_output must be >= 0")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty depends on the tokens so far (the step then needs them)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )

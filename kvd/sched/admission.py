@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from kvd.engine.sampling_params import SamplingParams
 from kvd.sched.core import SchedulerCore
 from kvd.sched.ratelimit import RateLimited
@@ -34,6 +36,11 @@ def prompt_problem(prompt: Sequence[int], vocab_size: int, max_model_len: int) -
     return None
 
 
+def choice_id(request_id: str, choice: int, n: int) -> str:
+    """The scheduler's id of one choice of a request (the request's own, if n = 1)."""
+    return request_id if n == 1 else f"{request_id}#{choice}"
+
+
 def total_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
     """The length at which a request's sequence ends: its prompt and max_tokens,
     or the whole context if that is shorter."""
@@ -51,12 +58,23 @@ class Admission(SchedulerCore):
         tier: str | None = None,
         deadline_s: float | None = None,
         cache_salt: str | None = None,
+        n: int = 1,
     ) -> Request:
-        """Queue a request, or raise Rejection (400/413/429/503) saying why."""
+        """Queue a request, or raise Rejection (400/413/429/503) saying why.
+
+        ``n`` > 1: that many choices, each its own sequence (events say which
+        in ``choice``; ``cancel`` of ``request_id`` ends them all). The first
+        prefills the prompt; the others start once it has, and find its full
+        blocks in the prefix cache (one tenant, one salt: one scope), so the
+        prompt is computed and held once, and each is charged only for the
+        pages of its own. Seeded, choice i samples with seed + i (vLLM's
+        rule, modulo 2**32). Returns the first choice's request."""
         config = self.tenants.get(tenant)
         if config is None:
             raise Rejection(401, "unknown_tenant", f"unknown tenant {tenant!r}")
-        if request_id in self.requests:
+        if n < 1:
+            raise Rejection(400, "bad_n", "n must be at least 1")
+        if request_id in self.requests or request_id in self.choices:
             raise Rejection(400, "duplicate_id", f"request {request_id!r} already exists")
         limit = self.limits.max_model_len
         problem = prompt_problem(prompt, self.limits.vocab_size, limit)
@@ -78,13 +96,15 @@ class Admission(SchedulerCore):
         if tier_name not in self.config.tiers:
             raise Rejection(400, "bad_tier", f"unknown priority tier {tier_name!r}")
         queue = self.queues[tenant]
-        if len(queue) >= config.max_queue:
+        # A request's choices count as one queued request (they start together).
+        if len({r.reply_id for r in queue}) >= config.max_queue:
             raise Rejection(
                 429, "queue_full", f"tenant queue is full ({config.max_queue} waiting)", 1.0
             )
         now = self.clock()
         try:
-            self.limiters[tenant].admit(stop_length, now)
+            # The prompt once, each choice's completion.
+            self.limiters[tenant].admit(stop_length + (n - 1) * (stop_length - len(prompt)), now)
         except RateLimited as exc:
             if exc.retry_after is None:  # larger than a whole minute's allowance
                 raise Rejection(
@@ -93,22 +113,38 @@ class Admission(SchedulerCore):
             self.tenant_stats[tenant].rate_limited += 1
             raise Rejection(429, "rate_limited", str(exc), exc.retry_after) from None
         tier_index = self.config.tiers.index(tier_name)
-        request = Request(
-            request_id=request_id,
-            tenant=tenant,
-            stop_length=stop_length,
-            prompt_len=len(prompt),
-            params=params,
-            prompt=list(prompt),
-            tier=tier_index,
-            arrival=now,
-            deadline=None if deadline_s is None else now + deadline_s,
-            cache_salt=cache_salt,
-            order_key=(tier_index, now, next(self._serials)),
-            arrival_step=self.steps,
-        )
+        choices = []
+        for choice in range(n):
+            own = params
+            if choice and params.seed is not None:
+                own = msgspec.structs.replace(params, seed=(params.seed + choice) % 2**32)
+            choices.append(
+                Request(
+                    request_id=choice_id(request_id, choice, n),
+                    reply_id=request_id,
+                    choice=choice,
+                    tenant=tenant,
+                    stop_length=stop_length,
+                    prompt_len=len(prompt),
+                    params=own,
+                    prompt=list(prompt),
+                    tier=tier_index,
+                    arrival=now,
+                    deadline=None if deadline_s is None else now + deadline_s,
+                    cache_salt=cache_salt,
+                    order_key=(tier_index, now, next(self._serials)),
+                    arrival_step=self.steps,
+                )
+            )
+        lead = choices[0]
+        lead.forks = choices[1:]
+        for fork in lead.forks:
+            fork.lead = lead
+        if n > 1:
+            self.choices[request_id] = lead
         if not queue and not self._backlogged(tenant):
             self.counters.activate(tenant, self._active_tenants())
-        queue.append(request)
-        self.requests[request_id] = request
-        return request
+        for request in choices:
+            queue.append(request)
+            self.requests[request.request_id] = request
+        return lead

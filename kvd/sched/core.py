@@ -66,6 +66,7 @@ class SchedulerCore:
         self.queues: dict[str, deque[Request]] = {}
         self.counters = VirtualCounters()
         self.requests: dict[str, Request] = {}
+        self.choices: dict[str, Request] = {}  # a request of n > 1: its first choice, until all end
         self.running: dict[str, Request] = {}
         self._running_order = RunningOrder()
         self._serials = itertools.count()
@@ -201,13 +202,18 @@ class SchedulerCore:
     def _active_tenants(self) -> set[str]:
         return {t for t in self.tenants if self._backlogged(t)}
 
-    def cancel(self, request_id: str) -> bool:
-        """Stop a request now and free its pages; False if it is unknown or done."""
-        request = self.requests.get(request_id)
-        if request is None or request.state is RequestState.FINISHED:
+    def cancel(self, request_id: str, choice: int | None = None) -> bool:
+        """Stop a request (all its choices, or the one ``choice``) now and free
+        its pages; False if it is unknown or done."""
+        lead = self.requests.get(request_id) or self.choices.get(request_id)
+        if lead is None:
             return False
-        self._finish(request, "cancelled")
-        return True
+        group = [lead, *lead.forks]
+        targets = group if choice is None else [r for r in group if r.choice == choice]
+        live = [r for r in targets if r.state is not RequestState.FINISHED]
+        for request in live:
+            self._finish(request, "cancelled")
+        return bool(live)
 
     def has_work(self) -> bool:
         return bool(self.running or self.swapped or any(self.queues.values()))
@@ -240,8 +246,10 @@ class SchedulerCore:
         seq = request.seq
         limiter = self.limiters.get(request.tenant)
         if limiter is not None:
-            used = 0 if request.started_at is None else len(seq.tokens) if seq else 0
-            limiter.refund(request.stop_length - used, self.clock())
+            # A fork was charged for its completion alone (its lead, the prompt).
+            shared = request.shared_prompt
+            used = 0 if request.started_at is None or seq is None else len(seq.tokens) - shared
+            limiter.refund(request.stop_length - shared - used, self.clock())
         if seq is not None and seq.state is not KVState.RELEASED:
             self.kv.finish(seq)
         if request.state is RequestState.RUNNING:
@@ -257,13 +265,18 @@ class SchedulerCore:
         request.host_pages = None
         self.tenant_stats[request.tenant].finished += 1
         del self.requests[request.request_id]
+        lead = request.lead or request
+        if lead.forks and all(r.state is RequestState.FINISHED for r in (lead, *lead.forks)):
+            del self.choices[lead.reply_id]
 
     def _fail(self, request: Request, cause: BaseException, events: list[StepEvent]) -> None:
         """End ``request`` alone for a fault of its own (its pages go back)."""
         self._finish(request, "error")
         detail = f"{type(cause).__name__}: {cause}"
         self.fault_log.append((request.request_id, request.tenant, detail))
-        events.append(StepEvent(request.request_id, None, 0.0, True, "error", detail))
+        events.append(
+            StepEvent(request.reply_id, None, 0.0, True, "error", detail, choice=request.choice)
+        )
 
     def _expire(self, now: float, events: list[StepEvent]) -> None:
         for queue in self.queues.values():
@@ -275,7 +288,9 @@ class SchedulerCore:
             ]
             for request in expired:
                 self._finish(request, "deadline")
-                events.append(StepEvent(request.request_id, None, 0.0, True, "deadline"))
+                events.append(
+                    StepEvent(request.reply_id, None, 0.0, True, "deadline", choice=request.choice)
+                )
 
     def stats(self) -> SchedulerStats:
         kv = self.kv

@@ -46,8 +46,9 @@ class ExecutorLimits(msgspec.Struct, frozen=True):
 class ParamsLookup(Protocol):
     """Sampling parameters by position in a step (a list will do); an
     executor may read only the entries of sequences running for the first
-    time (the engine does: it keeps them for the sequence's life). Their
-    ``min_tokens`` counts from the sequence's length at that first step."""
+    time (the engine does: it keeps them for the sequence's life). The
+    prompt is the sequence's tokens at that first step but the last
+    ``resumed_output`` (``min_tokens`` and the penalties count from its end)."""
 
     def __getitem__(self, index: int, /) -> SamplingParams | None: ...
 

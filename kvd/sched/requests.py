@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -58,6 +58,18 @@ class Request:
     preemptions: int = 0
     arrival_step: int = 0  # the scheduler's step count when it was queued
     queue_steps: int | None = None  # steps between arrival and start
+    # n > 1: one request per choice. The first (``choice`` 0) prefills the
+    # prompt; the others (its ``forks``) start once it has, sharing its full
+    # blocks through the prefix cache. Events carry the client's id.
+    reply_id: str  # the client's request id (events carry it)
+    choice: int = 0
+    lead: Request | None = None  # the first choice, for a fork
+    forks: list[Request] = field(default_factory=list)  # the other choices, for the first
+
+    @property
+    def shared_prompt(self) -> int:
+        """Prompt tokens another choice of the request pays for (its lead's)."""
+        return self.prompt_len if self.lead is not None else 0
 
     @property
     def output(self) -> list[int]:
@@ -132,14 +144,12 @@ class ParamsOf:
     def __getitem__(self, index: int) -> SamplingParams:
         request = self._requests[index]
         params = request.params
-        if params.min_tokens and request.seq is not None:
+        if (params.min_tokens or params.penalized) and request.seq is not None:
             # A sequence recomputed after a preemption starts with its output
-            # so far: min_tokens counts what is left of it.
+            # so far: min_tokens and the penalties must know where the prompt ends.
             generated = len(request.seq.tokens) - request.prompt_len
             if generated:
-                return msgspec.structs.replace(
-                    params, min_tokens=max(0, params.min_tokens - generated)
-                )
+                return msgspec.structs.replace(params, resumed_output=generated)
         return params
 
 
@@ -152,6 +162,7 @@ class StepEvent(msgspec.Struct, frozen=True):
     detail: str | None = None  # why it failed ("error"), for its client
     # The most likely tokens and their logprobs, best first, when asked for.
     top: tuple[tuple[int, float], ...] | None = None
+    choice: int = 0  # which of the request's n choices
 
 
 class SlotInfo:

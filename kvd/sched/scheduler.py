@@ -223,6 +223,11 @@ class Scheduler(TokenHandling):
         """Start a waiting request (the head of its tenant's queue): True if it
         runs in this step, False if it must wait, None if the step has no room."""
         kv = self.kv
+        lead = request.lead
+        if lead is not None and lead.state is not RequestState.FINISHED:
+            computed = lead.seq.num_computed if lead.seq is not None else 0
+            if computed < lead.prompt_len:
+                return False  # a fork starts from its lead's computed prompt
         if request.seq is None:
             request.seq = kv.add_sequence(
                 next(self._seq_ids),
@@ -259,15 +264,18 @@ class Scheduler(TokenHandling):
             request.started_at = now
             request.cached_tokens = hit.num_tokens
             request.queue_steps = self.steps - 1 - request.arrival_step
-            self._queue.append(now - request.arrival)
-            stats = self.tenant_stats[request.tenant]
-            stats.prompt_tokens += len(request.prompt)
-            stats.cached_tokens += hit.num_tokens
-            self._count_prefix_hit(hit)
             self.start_log.append(
                 (request.request_id, request.tenant, request.queue_steps, hit.num_tokens)
             )
-        if not request.charged_input:
+            if lead is None:  # a request's prompt, counted once for all its choices
+                for fork in request.forks:
+                    fork.deadline = None  # the request has started
+                self._queue.append(now - request.arrival)
+                stats = self.tenant_stats[request.tenant]
+                stats.prompt_tokens += len(request.prompt)
+                stats.cached_tokens += hit.num_tokens
+                self._count_prefix_hit(hit)
+        if not request.charged_input and lead is None:
             self.counters.charge(request.tenant, input_tokens=len(request.prompt))
             request.charged_input = True
         if hit.reloads and self.rates is not None:

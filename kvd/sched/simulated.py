@@ -171,9 +171,11 @@ class SimulatedExecutor:
                 if faults.fire("sequence") == "raise":
                     raise SequenceFault(i, faults.InjectedFault("injected: a sequence's inputs"))
                 self._started.add(seq.seq_id)
-                # As the engine: min_tokens count from the length at the first step.
-                if params[i].min_tokens:  # type: ignore[union-attr]
-                    self._min_end[seq.seq_id] = len(seq.tokens) + params[i].min_tokens  # type: ignore[union-attr]
+                # As the engine: min_tokens count from the end of the prompt.
+                own = params[i]
+                if own is not None and own.min_tokens:
+                    prompt = len(seq.tokens) - own.resumed_output
+                    self._min_end[seq.seq_id] = prompt + own.min_tokens
 
     def _pages(self, seq: Sequence, group: int, positions: Array) -> Array:
         table = np.asarray(seq.tables[group], np.int64)

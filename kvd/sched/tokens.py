@@ -4,6 +4,7 @@ batch: which rows sampled a token (not a prefill chunk), which finished and why.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 import msgspec
@@ -116,11 +117,14 @@ class TokenHandling(Preemption):
             reasons[i] = "stop" if by_stop[i] else "length"
         events += map(
             StepEvent,
-            [r.request_id for r in requests],
+            [r.reply_id for r in requests],
             token_list,
             out.logprobs.tolist(),
             finished.tolist(),
             reasons,
+            repeat(None),
+            repeat(None),
+            [r.choice for r in requests],
         )
         if output.top_ids is not None:
             self._attach_top(events, requests, out.keep, output.top_ids, output.top_logprobs)
@@ -163,7 +167,8 @@ class TokenHandling(Preemption):
             for i in np.flatnonzero(first).tolist():
                 request = requests[i]
                 request.first_token_at = now
-                self._ttft.append(now - request.arrival)
+                if request.lead is None:  # a request's first token, not each choice's
+                    self._ttft.append(now - request.arrival)
             last = last[~first]
         self._itl += (now - last).tolist()
         last_token_at[slots] = now

@@ -18,6 +18,8 @@ from msgspec import Meta
 from kvd.engine.sampling_params import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_IDS,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
@@ -26,6 +28,7 @@ from kvd.engine.sampling_params import (
 )
 from kvd.engine.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from kvd.sched.admission import prompt_problem
+from kvd.server.config import DEFAULT_MAX_N
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -39,8 +42,7 @@ MAX_NAME = 256  # user, cache_salt, a message's name
 
 Temperature = Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
-Penalty = Annotated[float, Meta(ge=-2, le=2)]
-MAX_REPETITION_PENALTY = 10.0
+Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 Count = Annotated[int, Meta(ge=1)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Name = Annotated[str, Meta(max_length=MAX_NAME)]
@@ -162,6 +164,7 @@ class Prepared(msgspec.Struct, frozen=True):
     continuous_usage: bool  # usage in every chunk, not only the last
     tier: int | str | None
     cache_salt: str | None
+    n: int = 1  # choices
 
 
 _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
@@ -237,20 +240,15 @@ _KEY = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:')
 
 
 def _unsupported(request: _Common) -> None:
-    checks: list[tuple[bool, str, str]] = [
-        (request.n not in (None, 1), "n", "only n=1 is supported"),
-        (bool(request.presence_penalty), "presence_penalty", "penalties are not supported"),
-        (bool(request.frequency_penalty), "frequency_penalty", "penalties are not supported"),
-        (
-            request.repetition_penalty not in (None, 1.0),
-            "repetition_penalty",
-            "repetition_penalty is not supported",
-        ),
-    ]
+    checks: list[tuple[bool, str, str]] = []
     if isinstance(request, CompletionRequest):
         checks += [
             (bool(request.echo), "echo", "echo is not supported"),
-            (request.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
+            (
+                request.best_of not in (None, request.n or 1),
+                "best_of",
+                "best_of must equal n (choices are not ranked)",
+            ),
             (bool(request.suffix), "suffix", "suffix is not supported"),
         ]
     if isinstance(request, ChatRequest):
@@ -348,9 +346,13 @@ def prepare(
     tokenizer: Tokenizer,
     vocab: int,
     max_model_len: int,
+    max_n: int = DEFAULT_MAX_N,
 ) -> Prepared:
     """Validate a decoded body against the model; raise ApiError (400/413)."""
     _unsupported(request)
+    n = request.n or 1
+    if n > max_n:
+        raise ApiError(400, f"n is {n}; this server allows at most {max_n}", param="n")
     stop, stop_ids = _stops(request)
     bad_stop = [t for t in stop_ids if not 0 <= t < vocab]
     if bad_stop:
@@ -429,6 +431,11 @@ def prepare(
         min_tokens=min_tokens,
         min_p=request.min_p or 0.0,
         logit_bias=_logit_bias(request.logit_bias, vocab),
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0
+        if request.repetition_penalty is None
+        else request.repetition_penalty,
     )
     options = request.stream_options
     return Prepared(
@@ -437,6 +444,7 @@ def prepare(
         stream=bool(request.stream),
         include_usage=bool(options and options.include_usage),
         continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
+        n=n,
         tier=request.priority,
         cache_salt=request.cache_salt,
     )

@@ -30,10 +30,14 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names the file and the key."""
 
 
+DEFAULT_MAX_N = 16  # choices one request may ask for (server.max_n)
+
+
 class ServerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     listen: str = "127.0.0.1:8000"
     metrics_listen: str = "127.0.0.1:9464"  # Prometheus /metrics (all tenants' figures)
     max_in_flight: int = 4096  # requests with a client, beyond which 503 (overloaded)
+    max_n: int = DEFAULT_MAX_N  # choices (the API's n) one request may ask for
     admin_socket: str = "/run/kvd/admin.sock"
     admin_socket_mode: str = "0660"
     admin_group: str | None = None
@@ -182,6 +186,7 @@ def validate(config: Config) -> None:
     _address(server.listen, "server.listen")
     _address(server.metrics_listen, "server.metrics_listen")
     _positive("server.max_in_flight", server.max_in_flight)
+    _positive("server.max_n", server.max_n)
     _mode(server.admin_socket_mode)
     _positive("server.drain_timeout", server.drain_timeout, allow_zero=True)
     _positive("server.hard_deadline", server.hard_deadline)

@@ -187,6 +187,7 @@ class Daemon:
             status=self.status,
             log_prompts=config.server.log_prompts,
             queue_timeout=config.server.queue_timeout,
+            max_n=config.server.max_n,
         )
         self.store = StateStore(config.path(config.server.state_file))
         self.admin_socket = config.path(config.server.admin_socket)

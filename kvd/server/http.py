@@ -260,6 +260,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
                 deadline_s=state.queue_timeout,
                 request_id=request_id,
                 arrival=arrival,
+                n=prepared.n,
             )
         except Rejection as exc:
             if exc.code == "rate_limited":
@@ -320,7 +321,7 @@ async def _prepare(
         try:
             if faults.fire("tokenize") == "raise":
                 raise faults.InjectedFault("injected: tokenizing failed")
-            return prepare(decoded, tokenizer, state.vocab_size, state.max_model_len)
+            return prepare(decoded, tokenizer, state.vocab_size, state.max_model_len, state.max_n)
         except ApiError:
             raise
         except Exception as exc:  # noqa: BLE001  # this request's own fault: it alone fails

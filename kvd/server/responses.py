@@ -37,6 +37,21 @@ def engine_failed(cause: str | None) -> ApiError:
 _UNFINISHED = ("abort", "deadline", "error", ENGINE_FAILED)  # an error body, no [DONE]
 
 
+class Choice:
+    """One of a request's ``n`` completions on its way to text."""
+
+    __slots__ = ("index", "text", "tokens", "logprobs", "tops", "finish_reason", "sent_text")
+
+    def __init__(self, index: int, text: TextStream) -> None:
+        self.index = index
+        self.text = text
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.tops: list[tuple[tuple[int, float], ...]] = []  # alternatives, when asked
+        self.finish_reason: str | None = None
+        self.sent_text = 0  # characters streamed so far (logprobs' text offsets)
+
+
 class Relay:
     """One request's tokens on their way to its client."""
 
@@ -58,96 +73,127 @@ class Relay:
         self.chat = chat
         self.runtime = state.runtime
         self.tokenizer = state.tokenizer
-        self.text = TextStream(state.tokenizer, prepared.params.stop)
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.tops: list[tuple[tuple[int, float], ...]] = []  # alternatives, when asked
-        self.finish_reason: str | None = None
+        self.choices = [
+            Choice(i, TextStream(state.tokenizer, prepared.params.stop)) for i in range(prepared.n)
+        ]
+        self.finish_reason: str | None = None  # the request's, once every choice has one
         self.failure: str | None = None  # why it ended with an error
         self.first_token_at: float | None = None
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.request_id
         self._closed = False
 
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(choice.tokens) for choice in self.choices)
+
     # -- tokens --------------------------------------------------------------------
 
-    async def deltas(self) -> AsyncGenerator[tuple[str, int, str | None]]:
-        """(new text, how many new tokens, finish reason or None), as they
-        come: every token waiting when the reader wakes is taken at once, so
-        a client that reads slower than the engine steps gets fewer, larger
-        chunks, not a backlog of one-token ones."""
+    async def deltas(self) -> AsyncGenerator[tuple[Choice, str, int, str | None]]:
+        """(choice, its new text, how many new tokens, its finish reason or
+        None), as they come: every token waiting when the reader wakes is
+        taken at once, so a client that reads slower than the engine steps
+        gets fewer, larger chunks, not a backlog of one-token ones. Ends when
+        every choice has finished, or with a reason in ``_UNFINISHED``."""
         async with aclosing(waiting_batches(self.ticket.events)) as batches:
-            async for tokens in batches:
-                try:
-                    delta, count, finish = self._take(tokens)
-                except Exception as exc:  # noqa: BLE001  # this request's own fault: it alone ends
-                    self.finish_reason = "error"
-                    self.failure = f"turning its tokens into text failed: {exc!r}"
-                    log.warning(
-                        "request.failed",
-                        request_id=self.ticket.request_id,
-                        tenant=self.tenant,
-                        error=self.failure,
-                    )
-                    yield "", 0, "error"
+            async for events in batches:
+                for choice, run in self._by_choice(events):
+                    try:
+                        delta, count, finish = self._take(choice, run)
+                    except Exception as exc:  # noqa: BLE001  # this request's own fault: it alone ends
+                        self.finish_reason = "error"
+                        self.failure = f"turning its tokens into text failed: {exc!r}"
+                        log.warning(
+                            "request.failed",
+                            request_id=self.ticket.request_id,
+                            tenant=self.tenant,
+                            error=self.failure,
+                        )
+                        yield choice, "", 0, "error"
+                        return
+                    yield choice, delta, count, finish
+                if self.finish_reason is not None:
                     return
-                yield delta, count, finish
-                if finish is not None:
-                    return
-            # Closed after its last token without one that finished it: aborted,
-            # dropped at its deadline, failed, or the engine failed.
+            # Closed with a choice unfinished: aborted, dropped at its deadline,
+            # failed, or the engine failed.
             self.finish_reason = self.ticket.finish_reason or "abort"
             self.failure = self.ticket.detail
-            yield ("" if self.failure else self.text.flush()), 0, self.finish_reason
+            choice = next(c for c in self.choices if c.finish_reason is None)
+            yield choice, "", 0, self.finish_reason
 
-    def _take(self, events: list[StepEvent]) -> tuple[str, int, str | None]:
-        """Text for a run of token events, and the finish reason if they end it."""
+    def _by_choice(self, events: list[StepEvent]) -> list[tuple[Choice, list[StepEvent]]]:
+        """A batch's events per unfinished choice, each in order."""
+        if len(self.choices) == 1:
+            return [] if self.choices[0].finish_reason else [(self.choices[0], events)]
+        runs: dict[int, list[StepEvent]] = {}
+        for event in events:
+            runs.setdefault(event.choice, []).append(event)
+        return [
+            (self.choices[i], run)
+            for i, run in sorted(runs.items())
+            if self.choices[i].finish_reason is None
+        ]
+
+    def _take(self, choice: Choice, events: list[StepEvent]) -> tuple[str, int, str | None]:
+        """Text for a run of one choice's token events, and the finish reason
+        if they end it."""
         if faults.fire("detokenize") == "raise":
             raise faults.InjectedFault("injected: detokenizing failed")
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         last = events[-1]
         finish = last.finish_reason if last.finished else None
-        if self.text.has_stops:
+        text = choice.text
+        if text.has_stops:
             # One at a time: the token that completes a stop string is the last.
             parts = []
             for taken, event in enumerate(events, 1):
-                parts.append(self.text.push(event.token))  # type: ignore[arg-type]
-                if self.text.stopped:  # a stop string: the rest is not wanted
-                    self.runtime.cancel(self.ticket)
+                parts.append(text.push(event.token))  # type: ignore[arg-type]
+                if text.stopped:  # a stop string: the rest is not wanted
+                    self._stop(choice)
                     events, finish = events[:taken], "stop"
                     break
             delta = "".join(parts)
         else:
-            delta = self.text.push_many([e.token for e in events])  # type: ignore[misc]
-        self.tokens.extend(e.token for e in events)  # type: ignore[misc]
-        self.logprobs.extend(e.logprob for e in events)
+            delta = text.push_many([e.token for e in events])  # type: ignore[misc]
+        choice.tokens.extend(e.token for e in events)  # type: ignore[misc]
+        choice.logprobs.extend(e.logprob for e in events)
         if self.prepared.params.top_logprobs:
-            self.tops.extend(e.top or () for e in events)
+            choice.tops.extend(e.top or () for e in events)
         if finish is not None:
-            self.finish_reason = finish
-            delta += self.text.flush()  # nothing after a stop string
+            choice.finish_reason = finish
+            delta += text.flush()  # nothing after a stop string
+            if all(c.finish_reason is not None for c in self.choices):
+                self.finish_reason = self.choices[0].finish_reason
         return delta, len(events), finish
+
+    def _stop(self, choice: Choice) -> None:
+        """A stop string ended ``choice``: the engine stops computing it."""
+        if len(self.choices) == 1:
+            self.runtime.cancel(self.ticket)
+        else:
+            self.runtime.cancel_choice(self.ticket, choice.index)
 
     # -- bodies ----------------------------------------------------------------------
 
     def usage(self) -> dict[str, Any]:
         request = self.ticket.request
         cached = request.cached_tokens if request is not None else 0
-        prompt = len(self.prepared.prompt)
+        prompt = len(self.prepared.prompt)  # once, however many choices share it
+        completion = self.completion_tokens
         return {
             "prompt_tokens": prompt,
-            "completion_tokens": len(self.tokens),
-            "total_tokens": prompt + len(self.tokens),
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _logprobs(self, start: int, text_offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, choice: Choice, start: int, text_offset: int) -> dict[str, Any] | None:
         if not self.prepared.params.logprobs:
             return None
-        ids, values = self.tokens[start:], self.logprobs[start:]
+        ids, values = choice.tokens[start:], choice.logprobs[start:]
         pieces = [self._piece(t) for t in ids]
-        tops = self.tops[start:] if self.prepared.params.top_logprobs else [()] * len(ids)
+        tops = choice.tops[start:] if self.prepared.params.top_logprobs else [()] * len(ids)
         if self.chat:
             return {
                 "content": [
@@ -181,37 +227,31 @@ class Relay:
         return self.tokenizer.decode([token], skip_special=False)
 
     async def collect(self) -> dict[str, Any]:
-        parts: list[str] = []
+        parts: list[list[str]] = [[] for _ in self.choices]
         try:
             async with aclosing(self.deltas()) as deltas:
-                async for delta, _, _ in deltas:
-                    parts.append(delta)
+                async for choice, delta, _, _ in deltas:
+                    parts[choice.index].append(delta)
         finally:
             self.close()
         self._raise_if_unfinished()
-        text = "".join(parts)
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(0, 0),
-                "finish_reason": self.finish_reason,
-            }
-            kind = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": self._logprobs(0, 0),
-                "finish_reason": self.finish_reason,
-            }
-            kind = "text_completion"
+        choices = []
+        for choice in self.choices:
+            text = "".join(parts[choice.index])
+            body: dict[str, Any] = {"index": choice.index}
+            if self.chat:
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["text"] = text
+            body["logprobs"] = self._logprobs(choice, 0, 0)
+            body["finish_reason"] = choice.finish_reason
+            choices.append(body)
         return {
             "id": self.id,
-            "object": kind,
+            "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.state.model_name,
-            "choices": [choice],
+            "choices": choices,
             "usage": self.usage(),
         }
 
@@ -236,44 +276,43 @@ class Relay:
             )
 
     async def sse(self) -> AsyncGenerator[bytes]:
-        sent_text = 0
         try:
             if self.chat:
-                yield self._event(self._chunk({"role": "assistant", "content": ""}, None, None))
+                for choice in self.choices:
+                    role = {"role": "assistant", "content": ""}
+                    yield self._event(self._chunk(choice, role, None, None))
             async with aclosing(self.deltas()) as deltas:
-                async for delta, count, finish in deltas:
+                async for choice, delta, count, finish in deltas:
                     if finish in _UNFINISHED:
                         try:
                             self._raise_if_unfinished()
                         except ApiError as exc:
                             yield self._event(exc.body())
                         return
-                    start = len(self.tokens) - count
-                    logprobs = self._logprobs(start, sent_text) if count else None
+                    start = len(choice.tokens) - count
+                    logprobs = self._logprobs(choice, start, choice.sent_text) if count else None
                     if not delta and finish is None and logprobs is None:
                         continue  # nothing a client could use (held-back or empty text)
                     payload = {"content": delta} if self.chat else delta
-                    yield self._event(self._chunk(payload, finish, logprobs))
-                    sent_text += len(delta)
+                    yield self._event(self._chunk(choice, payload, finish, logprobs))
+                    choice.sent_text += len(delta)
             if self.prepared.include_usage:
                 yield self._event(self._usage_chunk())
             yield b"data: [DONE]\n\n"
         finally:
             self.close()
 
-    def _chunk(self, payload: Any, finish: str | None, logprobs: Any) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "delta": payload, "logprobs": logprobs, "finish_reason": finish}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": payload, "logprobs": logprobs, "finish_reason": finish}
-            kind = "text_completion"
+    def _chunk(
+        self, choice: Choice, payload: Any, finish: str | None, logprobs: Any
+    ) -> dict[str, Any]:
+        body = {"index": choice.index, "delta" if self.chat else "text": payload}
+        body |= {"logprobs": logprobs, "finish_reason": finish}
         chunk: dict[str, Any] = {
             "id": self.id,
-            "object": kind,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.state.model_name,
-            "choices": [choice],
+            "choices": [body],
         }
         if self.prepared.include_usage:
             # vLLM's continuous_usage_stats: the counts so far in every chunk.
@@ -306,14 +345,15 @@ class Relay:
         now = time.monotonic()
         fields: dict[str, Any] = {}
         if self.state.log_prompts:
-            fields["completion"] = self.tokenizer.decode(self.tokens)
+            texts = [self.tokenizer.decode(choice.tokens) for choice in self.choices]
+            fields["completion"] = texts[0] if len(texts) == 1 else texts
         log.info(
             "request.finish",
             request_id=self.ticket.request_id,
             tenant=self.tenant,
             outcome=outcome,
             prompt_tokens=len(self.prepared.prompt),
-            completion_tokens=len(self.tokens),
+            completion_tokens=self.completion_tokens,
             cached_tokens=self.usage()["prompt_tokens_details"]["cached_tokens"],
             ttft_s=None
             if self.first_token_at is None

@@ -74,6 +74,8 @@ class Ticket:
     finished: bool = False
     finish_reason: str | None = None  # None once closed: cancelled by its handler
     detail: str | None = None  # why it failed, for its client
+    choices: int = 1  # n: the channel closes once every choice has ended
+    ended: set[int] = field(default_factory=set)  # choices over (finished, or cancelled)
 
 
 @dataclass
@@ -142,9 +144,11 @@ class Runtime:
         deadline_s: float | None = None,
         request_id: str | None = None,
         arrival: float | None = None,
+        n: int = 1,
     ) -> Ticket:
-        """Queue a request; returns its ticket once admitted to a queue, or
-        raises Rejection (the scheduler's, or 503 when failed or full)."""
+        """Queue a request (``n`` choices, whose events share its ticket);
+        returns its ticket once admitted to a queue, or raises Rejection (the
+        scheduler's, or 503 when failed or full)."""
         if self.failure is not None:
             raise self._failed_rejection()
         if len(self._live) >= self.max_in_flight:
@@ -156,7 +160,12 @@ class Runtime:
             )
         send, receive = trio.open_memory_channel[StepEvent](math.inf)
         ticket = Ticket(
-            request_id or uuid.uuid4().hex, tenant, send, receive, arrival or self.clock()
+            request_id or uuid.uuid4().hex,
+            tenant,
+            send,
+            receive,
+            arrival or self.clock(),
+            choices=n,
         )
         self._live[ticket.request_id] = ticket
         self._idle = trio.Event() if self._idle.is_set() else self._idle
@@ -174,6 +183,7 @@ class Runtime:
                     tier=tier,
                     cache_salt=cache_salt,
                     deadline_s=deadline_s,
+                    n=n,
                 )
             except Rejection as exc:
                 ticket.rejection = exc
@@ -201,6 +211,17 @@ class Runtime:
             return
         self._end(ticket, None)
         self._post(lambda: self.scheduler.cancel(ticket.request_id))
+
+    def cancel_choice(self, ticket: Ticket, choice: int) -> None:
+        """Stop one choice of a request (a stop string ended it); the last
+        one's end ends the request."""
+        if ticket.finished or choice in ticket.ended:
+            return
+        ticket.ended.add(choice)
+        if len(ticket.ended) == ticket.choices:
+            self.cancel(ticket)
+            return
+        self._post(lambda: self.scheduler.cancel(ticket.request_id, choice))
 
     def _failed_rejection(self) -> Rejection:
         return Rejection(503, ENGINE_FAILED, failed_message(self.failure), retry_after=5.0)
@@ -347,8 +368,8 @@ class Runtime:
         gaps: dict[str, list[float]] = {}
         for event in events:
             ticket = live.get(event.request_id)
-            if ticket is None:
-                continue  # its client is gone; the cancel is queued
+            if ticket is None or event.choice in ticket.ended:
+                continue  # its client is gone, or it cancelled the choice: the cancel is queued
             if event.token is not None:
                 ticket.send.send_nowait(event)
                 last = ticket.last_token_at
@@ -358,7 +379,13 @@ class Runtime:
                     gaps.setdefault(ticket.tenant, []).append(now - last)
                 ticket.last_token_at = now
             if event.finished:
-                self._end(ticket, event.finish_reason, event.detail)
+                ticket.ended.add(event.choice)
+                if event.token is None and len(ticket.ended) < ticket.choices:
+                    # One choice failed or expired: the request fails as a whole.
+                    self._post(functools.partial(self.scheduler.cancel, ticket.request_id))
+                    self._end(ticket, event.finish_reason, event.detail)
+                elif len(ticket.ended) == ticket.choices:
+                    self._end(ticket, event.finish_reason, event.detail)
         sink = self.latency_sink
         if sink is not None:
             for tenant in first.keys() | gaps.keys():

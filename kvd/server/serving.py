@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvd.engine.tokenizer import Tokenizer
+from kvd.server.config import DEFAULT_MAX_N
 from kvd.server.metrics import Metrics
 from kvd.server.runtime import Runtime
 from kvd.server.status import ServerStatus
@@ -32,4 +33,5 @@ class ServerState:
     status: ServerStatus = field(default_factory=ServerStatus)
     log_prompts: bool = False
     queue_timeout: float | None = None
+    max_n: int = DEFAULT_MAX_N
     created: int = field(default_factory=lambda: int(time.time()))

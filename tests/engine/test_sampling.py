@@ -1,7 +1,7 @@
 """Choosing tokens on the device against numpy oracles: top-k and top-p exact
 over the whole vocabulary (the set a sampled token comes from equals a sort's,
 whether the cut falls among the candidates or beyond them), logit biases,
-min_tokens' masking, min_p and the top logprobs."""
+min_tokens' masking, min_p, the penalties and the top logprobs."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvd.engine.sampling import (
     MAX_STOP_IDS,
     MAX_TOP_LOGPROBS,
     SamplingBatch,
+    adjusted_logits,
     exact_keep,
     sample,
     sampling_batch,
@@ -241,3 +242,93 @@ def test_top_logprobs_are_numpys_best_tokens_of_the_log_softmax() -> None:
         np.testing.assert_allclose(np.asarray(values)[r], log_softmax[best, r], atol=1e-5)
     _, _, _, ids, values = step(jnp.asarray(logits), sampling_batch(rows))
     assert not np.asarray(ids).any() and not np.asarray(values).any()
+
+
+def penalized_oracle(
+    logits: np.ndarray,
+    history: np.ndarray,
+    prompt_end: np.ndarray,
+    positions: np.ndarray,
+    penalties: list[tuple[float, float, float]],
+) -> np.ndarray:
+    """vLLM's apply_penalties in numpy, row by row: (presence, frequency,
+    repetition) per row, over the history's tokens below its position."""
+    out = logits.astype(np.float64).copy()
+    for r, (presence, frequency, repetition) in enumerate(penalties):
+        tokens = history[r, : positions[r]]
+        prompt, generated = tokens[: prompt_end[r]], tokens[prompt_end[r] :]
+        counts = np.bincount(generated, minlength=logits.shape[0])
+        seen = np.zeros(logits.shape[0], bool)
+        seen[prompt] = True
+        seen[generated] = True
+        col = out[:, r]
+        factor = np.where(seen, repetition, 1.0)
+        col[:] = np.where(col > 0, col / factor, col * factor)
+        col -= frequency * counts + presence * (counts > 0)
+    return out
+
+
+def test_penalties_give_numpys_next_token_distribution() -> None:
+    """Each penalty alone and all together: the log-softmax of the adjusted
+    logits (the distribution a token is drawn from, and the greedy choice)
+    equals the numpy oracle's within 1e-5; prompt tokens count for the
+    repetition penalty only, tokens at or past a row's position not at all,
+    and a row without penalties is left bit for bit."""
+    rng = np.random.default_rng(13)
+    penalties = [
+        (0.0, 0.0, 1.0),  # none: untouched
+        (1.5, 0.0, 1.0),  # presence
+        (0.0, 0.7, 1.0),  # frequency
+        (0.0, 0.0, 1.8),  # repetition
+        (-1.0, 2.0, 0.6),  # all, negative presence and a repetition below 1
+        (2.0, -2.0, 10.0),
+    ]
+    rows, width = len(penalties), 96
+    logits = rng.normal(0, 3, (VOCAB, rows)).astype(np.float32)
+    # Histories drawn from a few tokens, so tokens repeat in prompt and output.
+    history = rng.choice(rng.choice(VOCAB, 24, replace=False), (rows, width)).astype(np.int32)
+    prompt_end = rng.integers(1, 40, rows).astype(np.int32)
+    positions = (prompt_end + rng.integers(0, 50, rows)).astype(np.int32)
+    history[np.arange(width)[None, :] >= positions[:, None] + 5] = -1  # padding past the end
+    presence, frequency, repetition = (
+        np.asarray(p, np.float32) for p in zip(*penalties, strict=True)
+    )
+    batch = sampling_batch(
+        rows,
+        history=jnp.asarray(history),
+        prompt_end=jnp.asarray(prompt_end),
+        positions=jnp.asarray(positions),
+        presence=jnp.asarray(presence),
+        frequency=jnp.asarray(frequency),
+        repetition=jnp.asarray(repetition),
+        want_logprobs=jnp.ones(rows, bool),
+    )
+    adjusted = np.asarray(jax.jit(adjusted_logits)(jnp.asarray(logits), batch))
+    want = penalized_oracle(logits, history, prompt_end, positions, penalties)
+
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        shifted = x - x.max(0)
+        return shifted - np.log(np.exp(shifted).sum(0))
+
+    np.testing.assert_allclose(log_softmax(adjusted), log_softmax(want), atol=1e-5)
+    np.testing.assert_array_equal(adjusted[:, 0], logits[:, 0])
+    tokens, logprobs, *_ = jax.jit(sample)(jnp.asarray(logits), batch)
+    assert np.asarray(tokens).tolist() == want.argmax(axis=0).tolist()
+    own = log_softmax(logits.astype(np.float64))  # reported logprobs: the model's own
+    np.testing.assert_allclose(
+        np.asarray(logprobs), own[np.asarray(tokens), range(rows)], atol=1e-5
+    )
+    # Prompt tokens do not count for frequency and presence: a row whose
+    # history is all prompt is changed by repetition alone.
+    only_prompt = sampling_batch(
+        1,
+        history=jnp.asarray(history[:1]),
+        prompt_end=jnp.asarray(positions[:1]),
+        positions=jnp.asarray(positions[:1]),
+        presence=jnp.asarray([2.0], jnp.float32),
+        frequency=jnp.asarray([2.0], jnp.float32),
+    )
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(adjusted_logits)(jnp.asarray(logits[:, :1]), only_prompt)),
+        logits[:, :1],
+    )

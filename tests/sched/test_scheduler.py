@@ -53,19 +53,35 @@ def engine(make_engine: MakeEngine):  # type: ignore[no-untyped-def]
     return make_engine()
 
 
-def reference(engine, prompt_ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+def reference(engine, prompt_ids: list[int], n: int, params=None) -> list[int]:  # type: ignore[no-untyped-def]
     scheduler = make_scheduler(engine)
-    scheduler.submit("ref", "t", prompt_ids, greedy(n))
+    scheduler.submit("ref", "t", prompt_ids, params or greedy(n))
     return run_to_end(scheduler)["ref"]
+
+
+# Penalties and min_tokens depend on where the prompt ends: a recomputed
+# sequence starts with its output so far, which must still count as output.
+PENALIZED = SamplingParams(
+    temperature=0.0,
+    max_tokens=20,
+    min_tokens=12,
+    presence_penalty=0.8,
+    frequency_penalty=1.1,
+    repetition_penalty=1.4,
+)
 
 
 @pytest.mark.parametrize("kind", ["recompute", "swap"])
 @pytest.mark.parametrize("when", ["mid-decode", "mid-prefill"])
-def test_preemption_is_invisible(engine, kind: str, when: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("sampling", ["greedy", "penalized"])
+def test_preemption_is_invisible(engine, kind: str, when: str, sampling: str) -> None:  # type: ignore[no-untyped-def]
     ids = prompt(1, 70)  # longer than the step budget of 32: the prefill is chunked
-    expected = reference(engine, ids, 20)
+    params = greedy(20) if sampling == "greedy" else PENALIZED
+    expected = reference(engine, ids, 20, params)
+    if sampling == "penalized":
+        assert expected != reference(engine, ids, 20)  # the penalties change the output
     scheduler = make_scheduler(engine, preemption=kind)
-    request = scheduler.submit("r", "t", ids, greedy(20))
+    request = scheduler.submit("r", "t", ids, params)
     outputs: list[int] = []
     preempt_at = 1 if when == "mid-prefill" else 6
     for step in range(200):
@@ -422,3 +438,51 @@ def test_top_logprobs_come_from_the_engines_step(engine) -> None:  # type: ignor
             values = [v for _, v in event.top]
             assert values == sorted(values, reverse=True) and values[0] <= 0
     assert seen == {"top": 6, "plain": 6}
+
+
+def test_penalties_follow_each_sequences_own_output(engine) -> None:  # type: ignore[no-untyped-def]
+    """On the real engine, batched with an unpenalized request: each greedy
+    token of a presence- and frequency-penalized request is the best of the
+    model's own top 20 (reported per token) after subtracting the penalties
+    of its output so far, with prompt tokens not counted; the plain request
+    is what it is alone."""
+    start = prompt(6, 12)
+    plain_alone = reference(engine, start, 16)
+    scheduler = Scheduler(engine)
+    scheduler.set_tenant(TenantConfig("t", max_queue=16))
+    penalized = SamplingParams(
+        temperature=0.0,
+        max_tokens=16,
+        logprobs=True,
+        top_logprobs=20,
+        presence_penalty=2.0,
+        frequency_penalty=1.5,
+    )
+    scheduler.submit("plain", "t", start, greedy(16))
+    scheduler.submit("penalized", "t", start, penalized)
+    output: list[int] = []
+    plain: list[int] = []
+    decided = 0
+    while scheduler.has_work():
+        for event in scheduler.step():
+            if event.token is None:
+                continue
+            if event.request_id == "plain":
+                plain.append(event.token)
+                continue
+            assert event.top is not None
+            counts = {t: output.count(t) for t in set(output)}
+            scores = {
+                token: logprob - 1.5 * counts.get(token, 0) - 2.0 * (token in counts)
+                for token, logprob in event.top
+            }
+            best = max(scores, key=lambda token: scores[token])
+            # Tokens outside the top 20 score at most the 20th's own logprob.
+            if scores[best] >= event.top[-1][1]:
+                assert event.token == best, (output, event.top)
+                decided += 1
+            output.append(event.token)
+    assert plain == plain_alone
+    assert decided >= 12
+    # The model repeats one token (a margin of ~10 nats): the penalties move it on.
+    assert len(set(output)) > len(set(plain_alone))

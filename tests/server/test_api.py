@@ -187,6 +187,65 @@ async def test_stop_strings(served: Served) -> None:
     await served.assert_whole()  # the stop string cancelled the rest
 
 
+async def test_n_choices(served: Served) -> None:
+    """n choices in OpenAI's shapes: greedy ones equal n = 1's, seeded ones
+    reproducible and distinct, streamed with their index (each finishing
+    once), the prompt counted once in usage; a stop string ends its own
+    choice alone; chat too; the pool whole after."""
+    oai = client(served)
+    common: dict[str, Any] = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 6}
+    common["extra_body"] = {"ignore_eos": True}
+    one = await oai.completions.create(**common, temperature=0)
+    many = await oai.completions.create(**common, temperature=0, n=3, best_of=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [one.choices[0].text] * 3
+    assert many.usage is not None and one.usage is not None
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
+    seeded = [
+        await oai.completions.create(**common, temperature=1.0, seed=11, n=3) for _ in range(2)
+    ]
+    texts = [[c.text for c in reply.choices] for reply in seeded]
+    assert texts[0] == texts[1] and len(set(texts[0])) == 3
+    stream = await oai.completions.create(
+        **common,
+        temperature=1.0,
+        seed=11,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts: dict[int, str] = {0: "", 1: "", 2: ""}
+    finishes: list[int] = []
+    usage = None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            parts[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                finishes.append(choice.index)
+        usage = chunk.usage or usage
+    assert [parts[i] for i in range(3)] == texts[0]
+    assert sorted(finishes) == [0, 1, 2]
+    assert usage is not None and usage.prompt_tokens == one.usage.prompt_tokens
+    # A stop string found in one choice's text ends that choice only.
+    stop = texts[0][1][2:5]
+    assert stop not in texts[0][0] and stop not in texts[0][2]
+    stopped = await oai.completions.create(**common, temperature=1.0, seed=11, n=3, stop=[stop])
+    assert [c.finish_reason for c in stopped.choices] == ["length", "stop", "length"]
+    assert stopped.choices[1].text == texts[0][1][: texts[0][1].find(stop)]
+    assert [stopped.choices[i].text for i in (0, 2)] == [texts[0][0], texts[0][2]]
+    chat = await oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=4,
+        temperature=0,
+        n=2,
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    await served.assert_whole()
+
+
 async def test_sampling_extensions_and_logprobs(served: Served) -> None:
     oai = client(served)
 
@@ -277,7 +336,7 @@ async def test_sampling_extensions_and_logprobs(served: Served) -> None:
 async def test_the_benchmark_tools_extensions(served: Served) -> None:
     """What guidellm, inference-perf, aiperf and `vllm bench serve` send:
     ignore_eos, and usage in every chunk (vLLM's continuous_usage_stats), with
-    min_tokens, min_p and logit_bias beside them."""
+    min_tokens, min_p, logit_bias and the penalties beside them."""
     body = {
         "model": MODEL,
         "prompt": LONG_PROMPT,
@@ -289,6 +348,9 @@ async def test_the_benchmark_tools_extensions(served: Served) -> None:
         "min_p": 0.1,
         "temperature": 0.8,
         "logit_bias": {"17": 2.5, "9259": -100},
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
     }
     response = await served.post("/v1/completions", body)
     assert response.status_code == 200
@@ -337,7 +399,9 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokenz": 5}, 400, "max_tokenz"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 3, "best_of": 4}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 262144]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, -3]}, 400, "prompt"),
@@ -414,6 +478,24 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "presence_penalty": 2.5},
+        400,
+        "presence_penalty",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "frequency_penalty": -3},
+        400,
+        "frequency_penalty",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     (
         "/v1/chat/completions",
