@@ -60,6 +60,7 @@ from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.layout import build_layout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
+from kvd.sched.constraint import mask_words
 from kvd.sched.executor import ExecutorLimits, ParamsLookup, StepOutput
 
 Progress = Callable[[int, int, str], None]
@@ -109,12 +110,14 @@ def head_and_sample(
     ints: jax.Array,
     floats: jax.Array,
     history: jax.Array,
+    allowed: jax.Array,
     *,
     seqs: int,
 ) -> tuple[jax.Array, ...]:
     """Logits and sampling for the first S rows, from packed sampling arrays
-    (one ``SequenceRows`` sampling row per sequence) and the token histories
-    ``[S, H]`` (read only when a row has a penalty)."""
+    (one ``SequenceRows`` sampling row per sequence), the token histories
+    ``[S, H]`` (read only when a row has a penalty) and the structured-output
+    token bitmasks ``[S, W]`` (applied only when a row is not all ones)."""
     ints = ints.reshape(seqs, SAMPLING_INTS)
     floats = floats.reshape(seqs, SAMPLING_FLOATS)
     sampling = SamplingBatch(
@@ -135,6 +138,7 @@ def head_and_sample(
         frequency=floats[:, SAMPLING_PENALTIES + 1],
         repetition=floats[:, SAMPLING_PENALTIES + 2],
         history=history,
+        allowed=allowed,
     )
     return sample(head_vocab_major(spec, params, rows[:seqs]), sampling, end_ids)
 
@@ -341,6 +345,8 @@ class Engine:
         # Token histories for a step no row of which has a penalty: one device
         # array per sequence bucket, made once (nothing is sent per step).
         self._no_history: dict[int, Any] = {}
+        self._no_mask: dict[int, Any] = {}  # likewise, bitmasks for steps without a grammar
+        self.mask_words = mask_words(self.vocab_size)
         self._table_edits: list[tuple[int, int, int, int]] = []
         self.kv: KVManager | None = None  # whose tables the steps read (``bind``)
         self.limits = ExecutorLimits(
@@ -381,6 +387,21 @@ class Engine:
             )
             self._no_history[len(rows)] = empty
         return empty
+
+    def _masks(self, seqs_bucket: int, masks: np.ndarray[Any, Any] | None) -> Any:
+        """The head's token bitmasks for a sequence bucket: the step's, padded
+        with all-ones rows, or a device array of all ones made once."""
+        if masks is not None:
+            padded = np.full((seqs_bucket, self.mask_words), -1, np.int32)
+            padded[: len(masks)] = masks
+            return self._put(padded)
+        free = self._no_mask.get(seqs_bucket)
+        if free is None:
+            free = jax.device_put(
+                np.full((seqs_bucket, self.mask_words), -1, np.int32), self._replicated
+            )
+            self._no_mask[seqs_bucket] = free
+        return free
 
     def barrier(self) -> None:
         """Wait for every dispatched program (a copy-in returns before it lands)."""
@@ -525,6 +546,7 @@ class Engine:
         ints = self._spec((seqs * SAMPLING_INTS,), jnp.int32)
         floats = self._spec((seqs * SAMPLING_FLOATS,), jnp.float32)
         history = self._spec((seqs, self.config.max_model_len), jnp.int32)
+        allowed = self._spec((seqs, self.mask_words), jnp.int32)
         return self._program(
             ("head", seqs, 0),
             self._head,
@@ -533,6 +555,7 @@ class Engine:
             ints,
             floats,
             history,
+            allowed,
             seqs=seqs,
         )
 
@@ -545,11 +568,13 @@ class Engine:
         params: ParamsLookup,
         slots: np.ndarray[Any, Any],
         block: np.ndarray[Any, Any],
+        masks: np.ndarray[Any, Any] | None = None,
     ) -> StepOutput:
         """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated)
         and return what each sampled (the alternatives only when one asked); ``slots``:
         the sequences' ``kv.slots_of``, ``block`` their columns before the step
-        (``kv.columns.matrix[:, slots]``). The caller commits the tokens.
+        (``kv.columns.matrix[:, slots]``); ``masks``: structured output's token
+        bitmasks, a row per sequence, or None. The caller commits the tokens.
 
         A sequence's sampling parameters are read when it first runs (only
         those entries of ``params`` are looked at) and kept for its life.
@@ -591,12 +616,13 @@ class Engine:
             ends = batch.positions[batch.sample_index[:count]] + 1
         ints, floats = cache.sampling(rows[:seqs_bucket], ends)
         history = self._histories(rows[:seqs_bucket], seqs, ends)
+        allowed = self._masks(seqs_bucket, masks)
         body_program = self._body_program(tokens_bucket, width)
         head_program = self._head_program(seqs_bucket)
         started = time.perf_counter()
         hidden, self.pool = body_program(self.params, self.pool, self._put(flat))
         sampled, logprobs, stopped, top_ids, top_logprobs = head_program(
-            self.params, hidden, self._put(ints), self._put(floats), history
+            self.params, hidden, self._put(ints), self._put(floats), history, allowed
         )
         sampled, logprobs, stopped = np.asarray(sampled), np.asarray(logprobs), np.asarray(stopped)
         top = None

@@ -19,7 +19,8 @@ whole vocabulary. Pure temperature sampling uses the whole vocabulary
 Before any of that, as vLLM orders them: logit biases are added, the end
 tokens and stop ids of a row short of its ``min_tokens`` are masked, the
 repetition, frequency and presence penalties are applied (from each row's
-token history: counted on the device, one scatter for the batch), and after
+token history: counted on the device, one scatter for the batch), a
+structured output's grammar masks what it does not allow, and after
 the temperature, ``min_p`` drops what is less likely than its share of the
 best token. Each is skipped at run time when no row of the batch asks for
 it. The logprobs returned are the model's own (before these adjustments).
@@ -73,6 +74,9 @@ class SamplingBatch(NamedTuple):
     frequency: jax.Array  # [S] f32, 0 = off
     repetition: jax.Array  # [S] f32, 1 = off
     history: jax.Array  # [S, H] int32: the tokens at positions 0.. (read below ``positions``)
+    # [S, W] int32 token bitmasks (bit t % 32 of word t // 32: token t may be
+    # sampled; all ones: a row without a grammar); None: no row has one.
+    allowed: jax.Array | None = None
 
 
 def sampling_batch(rows: int, **fields: Any) -> SamplingBatch:
@@ -170,9 +174,23 @@ def adjusted_logits(
 
     logits = jax.lax.cond(jnp.any(early), masked, lambda: logits)
     penalized = (params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)
-    return jax.lax.cond(
+    logits = jax.lax.cond(
         jnp.any(penalized), lambda: _penalize(logits, params, penalized), lambda: logits
     )
+    allowed = params.allowed
+    if allowed is None:
+        return logits
+    return jax.lax.cond(jnp.any(allowed != -1), lambda: _constrain(logits, allowed), lambda: logits)
+
+
+def _constrain(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Tokens a row's bitmask does not allow get -inf: the bits unpacked in
+    the logits' vocabulary-major order, one elementwise pass."""
+    vocab = logits.shape[0]
+    shifts = jnp.arange(32, dtype=jnp.int32)[None, :, None]
+    bits = (allowed.T[:, None, :] >> shifts) & 1  # [W, 32, S]
+    bits = bits.reshape(-1, logits.shape[1])[:vocab]
+    return jnp.where(bits != 0, logits, -jnp.inf)
 
 
 def _penalize(logits: jax.Array, params: SamplingBatch, penalized: jax.Array) -> jax.Array:

@@ -163,6 +163,21 @@ class Tokenizer:
         parts.append(self._sp.decode(run))
         return "".join(parts)
 
+    def token_bytes(self, special_prefix: bytes = b"") -> list[bytes]:
+        """Each token's text as bytes (byte-fallback tokens their one byte);
+        control, unknown and unused tokens are ``special_prefix`` + their name."""
+        sp = self._sp
+        out = []
+        for token in range(self.vocab_size):
+            piece = sp.id_to_piece(token)
+            if sp.is_byte(token):
+                out.append(bytes([int(piece[3:5], 16)]))  # "<0xAB>"
+            elif sp.is_control(token) or sp.is_unknown(token) or sp.is_unused(token):
+                out.append(special_prefix + piece.encode())
+            else:
+                out.append(piece.replace(_SPACE, " ").encode())
+        return out
+
     def is_control(self, token: int) -> bool:
         return bool(self._sp.is_control(token))
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvd.engine.sampling_params import SamplingParams
+from kvd.sched.constraint import Constraint
 from kvd.sched.core import SchedulerCore
 from kvd.sched.ratelimit import RateLimited
 from kvd.sched.requests import Rejection, Request
@@ -59,6 +60,7 @@ class Admission(SchedulerCore):
         deadline_s: float | None = None,
         cache_salt: str | None = None,
         n: int = 1,
+        constraint: Constraint | None = None,
     ) -> Request:
         """Queue a request, or raise Rejection (400/413/429/503) saying why.
 
@@ -68,7 +70,8 @@ class Admission(SchedulerCore):
         blocks in the prefix cache (one tenant, one salt: one scope), so the
         prompt is computed and held once, and each is charged only for the
         pages of its own. Seeded, choice i samples with seed + i (vLLM's
-        rule, modulo 2**32). Returns the first choice's request."""
+        rule, modulo 2**32). ``constraint``: the grammar every choice's output
+        follows (each gets its own copy). Returns the first choice's request."""
         config = self.tenants.get(tenant)
         if config is None:
             raise Rejection(401, "unknown_tenant", f"unknown tenant {tenant!r}")
@@ -134,6 +137,11 @@ class Admission(SchedulerCore):
                     cache_salt=cache_salt,
                     order_key=(tier_index, now, next(self._serials)),
                     arrival_step=self.steps,
+                    constraint=None
+                    if constraint is None
+                    else constraint.fork()
+                    if choice
+                    else constraint,
                 )
             )
         lead = choices[0]

@@ -82,11 +82,14 @@ class Executor(Protocol):
         params: ParamsLookup,
         slots: Array,
         block: Array,
+        masks: Array | None = None,
     ) -> StepOutput:
         """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated;
         ``slots``: their ``kv.slots_of``; ``block``: their columns before the
-        step) and return what each sampled. The caller commits the computed
-        tokens to the KV manager.
+        step) and return what each sampled. ``masks``, when a sequence has a
+        grammar: a token bitmask row per sequence (kvd/sched/constraint.py;
+        all ones for a free row), and sequence i samples only what row i
+        allows. The caller commits the computed tokens to the KV manager.
 
         Raises SequenceFault, with nothing computed, when one sequence's own
         inputs cannot be built; any other exception is the executor's failure."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.sequence import Sequence
+from kvd.sched.constraint import Constraint
 
 
 class Rejection(Exception):
@@ -65,6 +66,8 @@ class Request:
     choice: int = 0
     lead: Request | None = None  # the first choice, for a fork
     forks: list[Request] = field(default_factory=list)  # the other choices, for the first
+    # Structured output: the grammar the output follows (each choice its own copy).
+    constraint: Constraint | None = None
 
     @property
     def shared_prompt(self) -> int:

@@ -32,6 +32,7 @@ from kvd.kv.columns import COMPUTED, LENGTH
 from kvd.kv.ledger import BudgetMode
 from kvd.kv.records import PrefixHit
 from kvd.kv.sequence import Sequence
+from kvd.sched.constraint import mask_words
 from kvd.sched.executor import SequenceFault
 from kvd.sched.requests import (
     ParamsOf,
@@ -101,8 +102,9 @@ class Scheduler(TokenHandling):
         block = kv.columns.matrix[:, slots]  # the step's counters, gathered once
         counts = work.counts
         self.sync_host_tier()
+        masks = self._constraint_masks(requests, counts, block)
         try:
-            output = self.executor.run(seqs, counts, ParamsOf(requests), slots, block)
+            output = self.executor.run(seqs, counts, ParamsOf(requests), slots, block, masks)
         except SequenceFault as fault:
             # Nothing ran: the others' pages stay allocated from their computed
             # tokens, so the next step plans them again as if this one never was.
@@ -114,6 +116,23 @@ class Scheduler(TokenHandling):
             kv.commit_batch(seqs, counts, slots)
         self._record_tokens(work, seqs, slots, block, output, events)
         return events
+
+    def _constraint_masks(
+        self, requests: list[Request], counts: list[int], block: np.ndarray[Any, Any]
+    ) -> np.ndarray[Any, Any] | None:
+        """The tokens each structured-output row may sample this step (a
+        bitmask row per request; all ones for the others), or None when no
+        row has a grammar. Only rows that sample are asked: a prefill chunk
+        short of its prompt's end samples nothing it keeps."""
+        constrained = [i for i, r in enumerate(requests) if r.constraint is not None]
+        if not constrained:
+            return None
+        sampling = block[COMPUTED] + np.asarray(counts) == block[LENGTH]
+        masks = np.full((len(requests), mask_words(self.limits.vocab_size)), -1, np.int32)
+        for i in constrained:
+            if sampling[i]:
+                requests[i].constraint.fill_mask(masks[i])  # type: ignore[union-attr]
+        return masks
 
     def _schedule_decodes(self, plan: StepPlan) -> list[Request]:
         """Every running decode that fits the step, most important first; returns

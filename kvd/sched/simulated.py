@@ -17,6 +17,7 @@ teardown sets it) rather than forever.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from typing import Any
@@ -29,6 +30,7 @@ from kvd.kv.columns import COMPUTED
 from kvd.kv.layout import PageLayout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
+from kvd.sched.constraint import allowed_tokens
 from kvd.sched.executor import ExecutorLimits, ParamsLookup, SequenceFault, StepOutput
 
 Array = np.ndarray[Any, Any]
@@ -61,6 +63,19 @@ def allowed_token(
     while token in banned:
         token = (token + 1) % vocab_size
     return token
+
+
+def masked_token(
+    token: int, mask: Array, vocab_size: int, banned: frozenset[int] | tuple[int, ...]
+) -> int:
+    """The first token from ``token`` on (cyclically) that a structured
+    output's bitmask row allows and min_tokens does not ban; ``token`` itself
+    if there is none (the scheduler then finds the grammar broken)."""
+    allowed = [t for t in allowed_tokens(mask, vocab_size).tolist() if t not in banned]
+    if not allowed:
+        return token
+    at = bisect.bisect_left(allowed, token)
+    return allowed[at % len(allowed)]
 
 
 def expected_output(
@@ -120,6 +135,7 @@ class SimulatedExecutor:
         params: ParamsLookup,
         slots: Array,
         block: Array,
+        masks: Array | None = None,
     ) -> StepOutput:
         started = time.perf_counter()
         self._inject_faults(seqs, params)
@@ -144,6 +160,8 @@ class SimulatedExecutor:
                 early = end < self._min_end.get(seq.seq_id, 0)
                 banned = self.stop_ids | frozenset(p.stop_token_ids) if early else frozenset()
                 token = allowed_token(self._read(seq, end), p, self.limits.vocab_size, banned)
+                if masks is not None and not (masks[i] == -1).all():
+                    token = masked_token(token, masks[i], self.limits.vocab_size, banned)
                 sampled[i] = token
                 stopped[i] = token in p.stop_token_ids
         self.device_seconds += time.perf_counter() - started

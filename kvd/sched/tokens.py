@@ -112,9 +112,12 @@ class TokenHandling(Preemption):
         # A last token too: it is part of the output.
         self.kv.append_decoded(seqs, token_list, slots, out.length)
         reasons: list[str | None] = [None] * len(requests)
+        broken = self._follow_constraints(requests, token_list, finished, by_stop)
         ends = np.flatnonzero(finished).tolist()
         for i in ends:
             reasons[i] = "stop" if by_stop[i] else "length"
+        for i in broken:
+            reasons[i] = "error"
         events += map(
             StepEvent,
             [r.reply_id for r in requests],
@@ -128,6 +131,13 @@ class TokenHandling(Preemption):
         )
         if output.top_ids is not None:
             self._attach_top(events, requests, out.keep, output.top_ids, output.top_logprobs)
+        first = len(events) - len(requests)
+        for i, why in broken.items():  # an error, not a token: the request fails
+            request = requests[i]
+            self.fault_log.append((request.request_id, request.tenant, why))
+            events[first + i] = StepEvent(
+                request.reply_id, None, 0.0, True, "error", why, choice=request.choice
+            )
         for i in ends:
             self._finish(requests[i], reasons[i])  # type: ignore[arg-type]
         served = np.bincount(info.tenant[slots])
@@ -135,6 +145,29 @@ class TokenHandling(Preemption):
             tenant, count = self.tenant_names[index], int(served[index])
             self.counters.charge(tenant, output_tokens=count)  # fair share, once per tenant
             self.tenant_stats[tenant].completion_tokens += count
+
+    @staticmethod
+    def _follow_constraints(
+        requests: list[Request], tokens: list[int], finished: Array, by_stop: Array
+    ) -> dict[int, str]:
+        """Each structured-output request follows its sampled token; one whose
+        grammar is complete ends with "stop". Returns why, by index, for those
+        whose token the grammar refused (the mask should make that
+        impossible: it fails the request rather than return output that
+        breaks its format)."""
+        broken: dict[int, str] = {}
+        for i, request in enumerate(requests):
+            constraint = request.constraint
+            if constraint is None:
+                continue
+            if not constraint.accept(tokens[i]):
+                broken[i] = (
+                    f"the sampled token {tokens[i]} breaks the grammar: {constraint.error()}"
+                )
+                finished[i] = True
+            elif constraint.finished():
+                finished[i] = by_stop[i] = True
+        return broken
 
     @staticmethod
     def _attach_top(

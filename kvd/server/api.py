@@ -2,14 +2,15 @@
 
 Bodies reject unknown fields: a misspelt parameter is a 400 naming it, not a
 silently ignored setting. Parameters OpenAI defines that kvd does not
-implement are accepted only at their neutral value (``n=1``, no penalties,
-...), and refused with a message otherwise.
+implement (``suffix``, tools, ``echo``) are accepted only at their neutral
+value, and refused with a message otherwise.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -29,6 +30,7 @@ from kvd.engine.sampling_params import (
 from kvd.engine.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from kvd.sched.admission import prompt_problem
 from kvd.server.config import DEFAULT_MAX_N
+from kvd.server.grammar import Grammar
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -87,6 +89,28 @@ class ApiError(Exception):
         }
 
 
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """vLLM's ``structured_outputs``: one of these."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark
+    json_object: bool | None = None
+
+
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
@@ -116,6 +140,13 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     min_tokens: Annotated[int, Meta(ge=0)] | None = None  # before an end token or stop id
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
+    # Structured output: OpenAI's response_format, or vLLM's fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, frozen=True):
@@ -137,10 +168,6 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: Name | None = None
 
 
-class ResponseFormat(msgspec.Struct, frozen=True):
-    type: str = "text"
-
-
 class ChatRequest(_Common, forbid_unknown_fields=True, frozen=True):
     messages: Annotated[list[Message], Meta(max_length=MAX_MESSAGES)] = msgspec.field(
         default_factory=list
@@ -148,7 +175,6 @@ class ChatRequest(_Common, forbid_unknown_fields=True, frozen=True):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: Annotated[list[Any], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -165,6 +191,8 @@ class Prepared(msgspec.Struct, frozen=True):
     tier: int | str | None
     cache_salt: str | None
     n: int = 1  # choices
+    grammar: Grammar | None = None  # the output's format (structured output)
+    constraint: Any = None  # its compiled form, a fresh one per request (kvd/server/grammar.py)
 
 
 _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
@@ -259,11 +287,6 @@ def _unsupported(request: _Common) -> None:
                 "top_logprobs needs logprobs=true",
             ),
             (bool(request.tools), "tools", "tool calls are not supported"),
-            (
-                request.response_format is not None and request.response_format.type != "text",
-                "response_format",
-                "only the text response format is supported",
-            ),
         ]
     for failed, param, message in checks:
         if failed:
@@ -306,6 +329,72 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, f
             )
         pairs.append((token, float(value)))
     return tuple(pairs)
+
+
+def _grammar(request: _Common) -> Grammar | None:
+    """The request's structured-output format, if it asks for one (one at most)."""
+    found: list[Grammar] = []
+
+    def schema(value: Any, param: str) -> None:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ApiError(400, f"{param} is not valid JSON", param=param) from None
+        if not isinstance(value, dict | bool):
+            raise ApiError(400, f"{param} must be a JSON schema (an object)", param=param)
+        found.append(Grammar("json", json.dumps(value), param))
+
+    def choice(options: list[str], param: str) -> None:
+        if not options or not all(options):
+            raise ApiError(400, f"{param} must be a list of non-empty strings", param=param)
+        found.append(Grammar("choice", json.dumps(options), param))
+
+    def text(kind: str, value: str, param: str) -> None:
+        if not value:
+            raise ApiError(400, f"{param} must not be empty", param=param)
+        found.append(Grammar(kind, value, param))
+
+    form = request.response_format
+    if form is not None and form.type == "json_object":
+        schema({"type": "object"}, "response_format")
+    elif form is not None and form.type == "json_schema":
+        if form.json_schema is None or form.json_schema.schema is None:
+            raise ApiError(
+                400,
+                "response_format of type json_schema needs json_schema.schema",
+                param="response_format.json_schema",
+            )
+        schema(form.json_schema.schema, "response_format.json_schema.schema")
+    outputs = request.structured_outputs
+    if outputs is not None:
+        if outputs.json is not None:
+            schema(outputs.json, "structured_outputs.json")
+        if outputs.json_object:
+            schema({"type": "object"}, "structured_outputs.json_object")
+        if outputs.regex is not None:
+            text("regex", outputs.regex, "structured_outputs.regex")
+        if outputs.choice is not None:
+            choice(outputs.choice, "structured_outputs.choice")
+        if outputs.grammar is not None:
+            text("lark", outputs.grammar, "structured_outputs.grammar")
+    if request.guided_json is not None:
+        schema(request.guided_json, "guided_json")
+    if request.guided_regex is not None:
+        text("regex", request.guided_regex, "guided_regex")
+    if request.guided_choice is not None:
+        choice(request.guided_choice, "guided_choice")
+    if request.guided_grammar is not None:
+        text("lark", request.guided_grammar, "guided_grammar")
+    if len(found) > 1:
+        raise ApiError(
+            400,
+            "one structured output format per request: "
+            + " and ".join(g.param for g in found)
+            + " were both given",
+            param=found[1].param,
+        )
+    return found[0] if found else None
 
 
 def _token_prompt(prompt: list[Any], vocab: int) -> list[int]:
@@ -410,7 +499,15 @@ def prepare(
     top_k = max(0, request.top_k or 0)
     if top_k > vocab:
         raise ApiError(400, f"top_k must be at most the vocabulary size {vocab}", param="top_k")
+    grammar = _grammar(request)
     min_tokens = request.min_tokens or 0
+    if min_tokens and grammar is not None:
+        raise ApiError(
+            400,
+            "min_tokens cannot be combined with a structured output format "
+            "(the format decides where the output ends)",
+            param="min_tokens",
+        )
     if min_tokens > max_tokens:
         raise ApiError(
             400,
@@ -445,6 +542,7 @@ def prepare(
         include_usage=bool(options and options.include_usage),
         continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
         n=n,
+        grammar=grammar,
         tier=request.priority,
         cache_salt=request.cache_salt,
     )

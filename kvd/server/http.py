@@ -29,6 +29,7 @@ from kvd import faults
 from kvd.sched.scheduler import Rejection
 from kvd.server.api import ApiError, ChatRequest, CompletionRequest, Prepared, decode_body, prepare
 from kvd.server.config import key_digest
+from kvd.server.grammar import GrammarError, compiler_for
 from kvd.server.metrics import CONTENT_TYPE, Metrics
 from kvd.server.responses import Relay, engine_failed
 from kvd.server.runtime import Runtime
@@ -261,6 +262,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
                 request_id=request_id,
                 arrival=arrival,
                 n=prepared.n,
+                constraint=prepared.constraint,
             )
         except Rejection as exc:
             if exc.code == "rate_limited":
@@ -329,6 +331,14 @@ async def _prepare(
             log.warning("request.failed", request_id=request_id, tenant=tenant, error=cause)
             raise ApiError(500, f"this request failed: {cause}", code="request_failed") from exc
 
-    if size > _BIG_PROMPT_CHARS:
-        return await trio.to_thread.run_sync(run)
-    return run()
+    prepared = await trio.to_thread.run_sync(run) if size > _BIG_PROMPT_CHARS else run()
+    if prepared.grammar is None:
+        return prepared
+    grammars = compiler_for(tokenizer, state.vocab_size)
+    try:
+        # Off the event loop: the vocabulary's first build takes seconds, a
+        # complex grammar's compile up to about a second (a cached one, microseconds).
+        constraint = await trio.to_thread.run_sync(grammars.constraint, prepared.grammar)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_grammar") from None
+    return msgspec.structs.replace(prepared, constraint=constraint)

@@ -33,6 +33,7 @@ import structlog
 import trio
 
 from kvd.engine.sampling_params import SamplingParams
+from kvd.sched.constraint import Constraint
 from kvd.sched.scheduler import Rejection, Request, Scheduler, SchedulerStats, StepEvent
 
 log = structlog.get_logger("kvd")
@@ -145,6 +146,7 @@ class Runtime:
         request_id: str | None = None,
         arrival: float | None = None,
         n: int = 1,
+        constraint: Constraint | None = None,
     ) -> Ticket:
         """Queue a request (``n`` choices, whose events share its ticket);
         returns its ticket once admitted to a queue, or raises Rejection (the
@@ -184,6 +186,7 @@ class Runtime:
                     cache_salt=cache_salt,
                     deadline_s=deadline_s,
                     n=n,
+                    constraint=constraint,
                 )
             except Rejection as exc:
                 ticket.rejection = exc

@@ -1,7 +1,8 @@
 """Choosing tokens on the device against numpy oracles: top-k and top-p exact
 over the whole vocabulary (the set a sampled token comes from equals a sort's,
 whether the cut falls among the candidates or beyond them), logit biases,
-min_tokens' masking, min_p, the penalties and the top logprobs."""
+min_tokens' masking, min_p, the penalties, the top logprobs and structured
+output's token bitmasks."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from kvd.engine.sampling import (
     sample,
     sampling_batch,
 )
+from kvd.sched.constraint import allowed_tokens, mask_words
 
 VOCAB = 1024
 
@@ -332,3 +334,45 @@ def test_penalties_give_numpys_next_token_distribution() -> None:
         np.asarray(jax.jit(adjusted_logits)(jnp.asarray(logits[:, :1]), only_prompt)),
         logits[:, :1],
     )
+
+
+def test_a_grammars_bitmask_allows_only_its_tokens() -> None:
+    """Structured output's masks: a row samples only what its bitmask allows
+    (greedy: numpy's argmax over the allowed; drawn, top-k or top-p: always
+    among them), an all-ones row is untouched, and the logprobs stay the
+    model's own."""
+    rng = np.random.default_rng(5)
+    rows = 4
+    logits = rng.normal(0, 3, (VOCAB, rows)).astype(np.float32)
+    allowed = [
+        np.array([5, 17, 999]),
+        np.arange(VOCAB),  # all ones: a row without a grammar
+        np.array([3]),
+        np.flatnonzero(rng.random(VOCAB) < 0.5),
+    ]
+    masks = np.zeros((rows, mask_words(VOCAB)), np.int32)
+    for r, ids in enumerate(allowed):
+        bits = np.zeros(mask_words(VOCAB) * 32, np.uint8)
+        bits[ids] = 1
+        masks[r] = np.packbits(bits, bitorder="little").view(np.int32)
+        np.testing.assert_array_equal(allowed_tokens(masks[r], VOCAB), ids)
+    assert (masks[1] == -1).all()
+    batch = sampling_batch(rows, allowed=jnp.asarray(masks), want_logprobs=jnp.ones(rows, bool))
+    tokens, logprobs, *_ = jax.jit(sample)(jnp.asarray(logits), batch)
+    expected = [int(ids[logits[ids, r].argmax()]) for r, ids in enumerate(allowed)]
+    assert np.asarray(tokens).tolist() == expected
+    own = logits - np.log(np.exp(logits - logits.max(0)).sum(0)) - logits.max(0)
+    np.testing.assert_allclose(np.asarray(logprobs), own[expected, range(rows)], atol=1e-5)
+    draw = jax.jit(sample)
+    for seed in range(40):
+        batch = sampling_batch(
+            rows,
+            allowed=jnp.asarray(masks),
+            temperature=jnp.full(rows, 2.0),
+            top_k=jnp.asarray([0, 0, 50, 0], jnp.int32),
+            top_p=jnp.asarray([1.0, 1.0, 1.0, 0.9], jnp.float32),
+            seeds=jnp.full(rows, seed, jnp.uint32),
+        )
+        drawn = np.asarray(draw(jnp.asarray(logits), batch)[0])
+        for r in (0, 2, 3):
+            assert int(drawn[r]) in set(allowed[r].tolist()), (seed, r, int(drawn[r]))
