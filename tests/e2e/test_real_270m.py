@@ -338,6 +338,38 @@ def test_repeated_prompt_hits_the_cache_for_its_tenant_only(shipped: DaemonProce
     shipped.wait_pages_released()
 
 
+def test_a_json_schema_reply_validates(shipped: DaemonProcess) -> None:
+    """Structured output on the real model, with the OpenAI client's own
+    ``response_format``: greedy and n = 2 sampled, each valid under the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "country": {"type": "string", "maxLength": 30},
+            "population_millions": {"type": "number", "minimum": 0, "maximum": 100},
+        },
+        "required": ["city", "country", "population_millions"],
+        "additionalProperties": False,
+    }
+    with openai.OpenAI(base_url=f"{shipped.url}/v1", api_key=ALICE, max_retries=0) as oai:
+        for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 3, "n": 2}):
+            reply = oai.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+                max_tokens=80,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "city", "schema": schema},
+                },
+                **extra,  # type: ignore[arg-type]
+            )
+            for choice in reply.choices:
+                assert choice.finish_reason == "stop", choice
+                jsonschema.validate(json.loads(choice.message.content or ""), schema)
+    shipped.wait_pages_released()
+
+
 def _readme_block(language: str, marker: str) -> str:
     blocks = re.findall(rf"```{language}\n(.*?)```", README, re.S)
     matching = [b for b in blocks if marker in b]
