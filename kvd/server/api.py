@@ -2,8 +2,8 @@
 
 Bodies reject unknown fields: a misspelt parameter is a 400 naming it, not a
 silently ignored setting. Parameters OpenAI defines that kvd does not
-implement (``suffix``, tools, ``echo``) are accepted only at their neutral
-value, and refused with a message otherwise.
+implement (``suffix``, tools, ``echo`` with logprobs) are accepted only at
+their neutral value, and refused with a message otherwise.
 """
 
 from __future__ import annotations
@@ -193,6 +193,7 @@ class Prepared(msgspec.Struct, frozen=True):
     n: int = 1  # choices
     grammar: Grammar | None = None  # the output's format (structured output)
     constraint: Any = None  # its compiled form, a fresh one per request (kvd/server/grammar.py)
+    echo: str | None = None  # completions' echo: the prompt's text, before each choice's
 
 
 _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
@@ -271,7 +272,12 @@ def _unsupported(request: _Common) -> None:
     checks: list[tuple[bool, str, str]] = []
     if isinstance(request, CompletionRequest):
         checks += [
-            (bool(request.echo), "echo", "echo is not supported"),
+            (
+                bool(request.echo) and request.logprobs is not None,
+                "echo",
+                "echo with logprobs (the prompt's logprobs) is not supported; "
+                "echo alone, or logprobs alone, is",
+            ),
             (
                 request.best_of not in (None, request.n or 1),
                 "best_of",
@@ -443,6 +449,7 @@ def prepare(
     if n > max_n:
         raise ApiError(400, f"n is {n}; this server allows at most {max_n}", param="n")
     stop, stop_ids = _stops(request)
+    echo: str | None = None
     bad_stop = [t for t in stop_ids if not 0 <= t < vocab]
     if bad_stop:
         raise ApiError(
@@ -467,6 +474,12 @@ def prepare(
         else:
             prompt = _token_prompt(request.prompt, vocab)
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        if request.echo:
+            echo = (
+                request.prompt
+                if isinstance(request.prompt, str)
+                else tokenizer.decode(prompt, skip_special=False)
+            )
         want_logprobs = request.logprobs is not None
         top_logprobs = request.logprobs or 0
     problem = prompt_problem(prompt, vocab, max_model_len)
@@ -543,6 +556,7 @@ def prepare(
         continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
         n=n,
         grammar=grammar,
+        echo=echo,
         tier=request.priority,
         cache_salt=request.cache_salt,
     )

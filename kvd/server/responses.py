@@ -237,7 +237,7 @@ class Relay:
         self._raise_if_unfinished()
         choices = []
         for choice in self.choices:
-            text = "".join(parts[choice.index])
+            text = (self.prepared.echo or "") + "".join(parts[choice.index])
             body: dict[str, Any] = {"index": choice.index}
             if self.chat:
                 body["message"] = {"role": "assistant", "content": text}
@@ -281,6 +281,9 @@ class Relay:
                 for choice in self.choices:
                     role = {"role": "assistant", "content": ""}
                     yield self._event(self._chunk(choice, role, None, None))
+            elif self.prepared.echo:  # the prompt first, as its own chunk per choice
+                for choice in self.choices:
+                    yield self._event(self._chunk(choice, self.prepared.echo, None, None))
             async with aclosing(self.deltas()) as deltas:
                 async for choice, delta, count, finish in deltas:
                     if finish in _UNFINISHED:

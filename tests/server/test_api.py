@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from tests.server.conftest import ALICE, BOB, CAROL
-from tests.server.harness import MODEL, Served, serving
+from tests.server.harness import MODEL, Served, serving, tokenizer
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(40))  # several 16-token blocks
 
@@ -185,6 +185,27 @@ async def test_stop_strings(served: Served) -> None:
     assert streamed == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
     await served.assert_whole()  # the stop string cancelled the rest
+
+
+async def test_echo_puts_the_prompt_before_each_choice(served: Served) -> None:
+    """echo: the prompt as sent (a string verbatim, token ids decoded) before
+    the completion, whole and streamed; usage counts the completion alone."""
+    oai = client(served)
+    common: dict[str, Any] = {"model": MODEL, "max_tokens": 5, "temperature": 0}
+    plain = await oai.completions.create(**common, prompt=LONG_PROMPT)
+    echoed = await oai.completions.create(**common, prompt=LONG_PROMPT, echo=True, n=2)
+    assert [c.text for c in echoed.choices] == [LONG_PROMPT + plain.choices[0].text] * 2
+    assert echoed.usage is not None and plain.usage is not None
+    assert echoed.usage.prompt_tokens == plain.usage.prompt_tokens  # the echo is not counted
+    assert echoed.usage.completion_tokens == 2 * plain.usage.completion_tokens
+    ids = [2, 818, 5279, 529]  # "The capital of" after BOS
+    by_ids = await oai.completions.create(**common, prompt=ids, echo=True)
+    words = tokenizer().decode(ids, skip_special=False)
+    assert by_ids.choices[0].text.startswith(words) and words.endswith("The capital of")
+    stream = await oai.completions.create(**common, prompt=LONG_PROMPT, echo=True, stream=True)
+    texts = [chunk.choices[0].text async for chunk in stream]
+    assert texts[0] == LONG_PROMPT and "".join(texts) == echoed.choices[0].text
+    await served.assert_whole()
 
 
 async def test_n_choices(served: Served) -> None:
@@ -402,6 +423,7 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 3, "best_of": 4}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 0}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 262144]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, -3]}, 400, "prompt"),
