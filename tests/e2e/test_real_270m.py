@@ -347,7 +347,7 @@ def test_a_json_schema_reply_validates(shipped: DaemonProcess) -> None:
         "properties": {
             "city": {"type": "string", "maxLength": 30},
             "country": {"type": "string", "maxLength": 30},
-            "population_millions": {"type": "number", "minimum": 0, "maximum": 100},
+            "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
         },
         "required": ["city", "country", "population_millions"],
         "additionalProperties": False,
