@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from functools import partial
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -372,26 +374,27 @@ def _grammar(request: _Common) -> Grammar | None:
                 param="response_format.json_schema",
             )
         schema(form.json_schema.schema, "response_format.json_schema.schema")
-    outputs = request.structured_outputs
-    if outputs is not None:
-        if outputs.json is not None:
-            schema(outputs.json, "structured_outputs.json")
-        if outputs.json_object:
-            schema({"type": "object"}, "structured_outputs.json_object")
-        if outputs.regex is not None:
-            text("regex", outputs.regex, "structured_outputs.regex")
-        if outputs.choice is not None:
-            choice(outputs.choice, "structured_outputs.choice")
-        if outputs.grammar is not None:
-            text("lark", outputs.grammar, "structured_outputs.grammar")
-    if request.guided_json is not None:
-        schema(request.guided_json, "guided_json")
-    if request.guided_regex is not None:
-        text("regex", request.guided_regex, "guided_regex")
-    if request.guided_choice is not None:
-        choice(request.guided_choice, "guided_choice")
-    if request.guided_grammar is not None:
-        text("lark", request.guided_grammar, "guided_grammar")
+    outputs = request.structured_outputs or StructuredOutputs()
+    if outputs.json_object:
+        schema({"type": "object"}, "structured_outputs.json_object")
+    add: dict[str, Callable[[Any, str], None]] = {
+        "json": schema,
+        "choice": choice,
+        "regex": partial(text, "regex"),
+        "lark": partial(text, "lark"),
+    }
+    for kind, value, param in (
+        ("json", outputs.json, "structured_outputs.json"),
+        ("regex", outputs.regex, "structured_outputs.regex"),
+        ("choice", outputs.choice, "structured_outputs.choice"),
+        ("lark", outputs.grammar, "structured_outputs.grammar"),
+        ("json", request.guided_json, "guided_json"),
+        ("regex", request.guided_regex, "guided_regex"),
+        ("choice", request.guided_choice, "guided_choice"),
+        ("lark", request.guided_grammar, "guided_grammar"),
+    ):
+        if value is not None:
+            add[kind](value, param)
     if len(found) > 1:
         raise ApiError(
             400,
