@@ -342,10 +342,7 @@ class Engine:
         self._warm = False
         self._max_blocks = max_blocks
         self._rows = self._new_rows()
-        # Token histories for a step no row of which has a penalty: one device
-        # array per sequence bucket, made once (nothing is sent per step).
-        self._no_history: dict[int, Any] = {}
-        self._no_mask: dict[int, Any] = {}  # likewise, bitmasks for steps without a grammar
+        self._minus_ones: dict[tuple[int, int], Any] = {}  # by shape (``_constant``)
         self.mask_words = mask_words(self.vocab_size)
         self._table_edits: list[tuple[int, int, int, int]] = []
         self.kv: KVManager | None = None  # whose tables the steps read (``bind``)
@@ -380,13 +377,7 @@ class Engine:
         """The head's token histories for ``rows`` (a sequence bucket's)."""
         if self._rows.penalized(rows[: len(seqs)]).any():
             return self._put(self._rows.histories(rows, seqs, ends))
-        empty = self._no_history.get(len(rows))
-        if empty is None:
-            empty = jax.device_put(
-                np.full((len(rows), self.config.max_model_len), -1, np.int32), self._replicated
-            )
-            self._no_history[len(rows)] = empty
-        return empty
+        return self._constant((len(rows), self.config.max_model_len))
 
     def _masks(self, seqs_bucket: int, masks: np.ndarray[Any, Any] | None) -> Any:
         """The head's token bitmasks for a sequence bucket: the step's, padded
@@ -395,13 +386,17 @@ class Engine:
             padded = np.full((seqs_bucket, self.mask_words), -1, np.int32)
             padded[: len(masks)] = masks
             return self._put(padded)
-        free = self._no_mask.get(seqs_bucket)
-        if free is None:
-            free = jax.device_put(
-                np.full((seqs_bucket, self.mask_words), -1, np.int32), self._replicated
-            )
-            self._no_mask[seqs_bucket] = free
-        return free
+        return self._constant((seqs_bucket, self.mask_words))
+
+    def _constant(self, shape: tuple[int, int]) -> Any:
+        """An int32 device array of -1s of ``shape``, made once: the head's
+        input for a step no row of which has a penalty (empty histories) or a
+        grammar (all-ones bitmasks), so nothing is sent per step."""
+        array = self._minus_ones.get(shape)
+        if array is None:
+            array = jax.device_put(np.full(shape, -1, np.int32), self._replicated)
+            self._minus_ones[shape] = array
+        return array
 
     def barrier(self) -> None:
         """Wait for every dispatched program (a copy-in returns before it lands)."""

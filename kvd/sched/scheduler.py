@@ -114,7 +114,7 @@ class Scheduler(TokenHandling):
             kv.commit_decodes(seqs, slots, block)
         else:
             kv.commit_batch(seqs, counts, slots)
-        self._record_tokens(work, seqs, slots, block, output, events)
+        self._record_tokens(work, seqs, slots, block, output, events, masks is not None)
         return events
 
     def _constraint_masks(

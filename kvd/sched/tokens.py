@@ -82,10 +82,12 @@ class TokenHandling(Preemption):
         block: np.ndarray[Any, Any],
         output: StepOutput,
         events: list[StepEvent],
+        constrained: bool = False,
     ) -> None:
         """Turn one step's sampled tokens into events, as array operations over
         the batch (this runs for every running sequence every step). ``block``
-        holds the sequences' columns from before the step."""
+        holds the sequences' columns from before the step; ``constrained``:
+        some request of the step has a grammar to follow."""
         now = self.clock()
         info = self._slot_info
         out = outcome(
@@ -112,7 +114,9 @@ class TokenHandling(Preemption):
         # A last token too: it is part of the output.
         self.kv.append_decoded(seqs, token_list, slots, out.length)
         reasons: list[str | None] = [None] * len(requests)
-        broken = self._follow_constraints(requests, token_list, finished, by_stop)
+        broken = (
+            self._follow_constraints(requests, token_list, finished, by_stop) if constrained else {}
+        )
         ends = np.flatnonzero(finished).tolist()
         for i in ends:
             reasons[i] = "stop" if by_stop[i] else "length"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -90,8 +89,6 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.compiles = 0
         self.hits = 0
-        self.compile_seconds = 0.0  # in compiling formats, the tokenizer's build excluded
-        self.tokenizer_seconds = 0.0
 
     def constraint(self, grammar: Grammar) -> GuidedOutput:
         """A fresh constraint for ``grammar``, compiled on first use; raises
@@ -106,7 +103,6 @@ class GrammarCompiler:
             lltokenizer = self._tokenizer()
         from llguidance import LLMatcher
 
-        started = time.perf_counter()
         source = _grammar_source(grammar)
         matcher = LLMatcher(lltokenizer, source, log_level=0)
         if matcher.is_error():
@@ -116,7 +112,6 @@ class GrammarCompiler:
             )
         with self._lock:
             self.compiles += 1
-            self.compile_seconds += time.perf_counter() - started
             self._cache[key] = matcher
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -128,12 +123,10 @@ class GrammarCompiler:
         if self._lltokenizer is None:
             from llguidance import LLTokenizer, TokenizerWrapper
 
-            started = time.perf_counter()
             wrapper = TokenizerWrapper(_Vocabulary(self.tokenizer, self.vocab_size))
             self._lltokenizer = LLTokenizer(
                 wrapper, n_vocab=self.vocab_size, eos_token=sorted(self.tokenizer.stop_ids())
             )
-            self.tokenizer_seconds = time.perf_counter() - started
         return self._lltokenizer
 
 
