@@ -3,10 +3,14 @@ temperature alone (Gumbel-max over the vocabulary), top-k/top-p cut among the
 candidates, and cut over the whole vocabulary by bisection (all rows, or one
 row of the batch); and what one row's logit biases, min_tokens mask, min_p,
 penalties (over a 4,096-token history) or top logprobs cost a batch whose
-other rows ask for none. Times are the best of a few calls, after compiling."""
+other rows ask for none. Times are the best of a few calls, after compiling;
+a one-row case is timed alternately with the batch it is compared with (the
+same logits, no row asking), so a drift of the machine's speed between them
+does not show as a cost."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +24,10 @@ class SamplingCase(msgspec.Struct, frozen=True):
     name: str
     ms: float
     ratio_to_temperature: float  # against temperature alone, measured in the same run
+    # For a one-row case: the batch it adds to (no row asking), and the
+    # median ratio to it over pairs of calls made in turn.
+    compared_with: str | None = None
+    ratio_to_compared: float | None = None
 
 
 class SamplingReport(msgspec.Struct, frozen=True):
@@ -28,7 +36,7 @@ class SamplingReport(msgspec.Struct, frozen=True):
     cases: list[SamplingCase]
 
 
-def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 5) -> SamplingReport:
+def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 7) -> SamplingReport:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -117,36 +125,69 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 5) -> Samplin
             ),
         ),
     }
+    compared = {
+        "greedy, one row with 300 logit biases": "greedy",
+        "greedy, one row short of min_tokens": "greedy",
+        "greedy, one row with 20 top logprobs": "greedy",
+        "greedy, one row with the three penalties": "greedy",
+        "temperature, one row with the three penalties": "temperature alone",
+        "temperature, one row with min_p 0.05": "temperature alone",
+    }
     step = jax.jit(sample)
-    timed: dict[str, float] = {}
-    for name, (logits, batch_params) in cases.items():
-        x = jnp.asarray(logits)
+    inputs = {name: (jnp.asarray(logits), p) for name, (logits, p) in cases.items()}
+    for x, batch_params in inputs.values():
         jax.block_until_ready(step(x, batch_params))
-        timed[name] = _best(step, x, batch_params, repeats)
+    timed = {name: _best(step, *inputs[name], repeats) for name in cases if name not in compared}
+    paired: dict[str, float] = {}
+    for name, base_name in compared.items():
+        timed[name], paired[name] = _alternately(step, inputs[base_name], inputs[name], repeats)
     base = timed["temperature alone"]
     return SamplingReport(
         batch,
         vocabulary,
-        [SamplingCase(n, round(1000 * t, 1), round(t / base, 2)) for n, t in timed.items()],
+        [
+            SamplingCase(
+                name,
+                round(1000 * timed[name], 1),
+                round(timed[name] / base, 2),
+                compared.get(name),
+                round(paired[name], 3) if name in paired else None,
+            )
+            for name in cases
+        ],
     )
 
 
-def _best(step: Callable[..., Any], logits: Any, params: Any, repeats: int) -> float:
+def _call(step: Callable[..., Any], args: tuple[Any, ...]) -> float:
     import jax
 
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(step(logits, params))
-        times.append(time.perf_counter() - start)
-    return min(times)
+    start = time.perf_counter()
+    jax.block_until_ready(step(*args))
+    return time.perf_counter() - start
+
+
+def _best(step: Callable[..., Any], logits: Any, params: Any, repeats: int) -> float:
+    return min(_call(step, (logits, params)) for _ in range(repeats))
+
+
+def _alternately(
+    step: Callable[..., Any], base: tuple[Any, ...], case: tuple[Any, ...], repeats: int
+) -> tuple[float, float]:
+    """(best time of ``case``, median ratio of ``case`` to ``base``), the two
+    called in turn: a slower or faster spell of the machine falls on both
+    halves of a pair, and the median drops the pairs it split."""
+    pairs = [(_call(step, base), _call(step, case)) for _ in range(2 * repeats)]
+    return min(c for _, c in pairs), statistics.median(c / b for b, c in pairs)
 
 
 def render(report: SamplingReport) -> str:
     width = max(len(c.name) for c in report.cases)
     lines = [f"sampling: batch {report.batch}, vocabulary {report.vocabulary:,}"]
-    lines += [
-        f"  {c.name:<{width}}  {c.ms:8.1f} ms  {c.ratio_to_temperature:5.2f}x temperature alone"
-        for c in report.cases
-    ]
+    for c in report.cases:
+        line = (
+            f"  {c.name:<{width}}  {c.ms:8.1f} ms  {c.ratio_to_temperature:5.2f}x temperature alone"
+        )
+        if c.compared_with is not None:
+            line += f"  {c.ratio_to_compared:6.3f}x {c.compared_with} (timed in turn)"
+        lines.append(line)
     return "\n".join(lines)

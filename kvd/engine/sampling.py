@@ -114,8 +114,9 @@ def sample(
     row's stop ids until its ``min_end``.
 
     Branches that no sequence of the batch needs (random draws when all are
-    greedy, the whole-vocabulary draw when all truncate) are skipped at run
-    time with ``lax.cond``: one compiled program, no wasted work.
+    greedy, the whole-vocabulary draw when all truncate, logprobs no row
+    asked for) are skipped at run time with ``lax.cond``: one compiled
+    program, no wasted work.
     """
     model_logits = logits
     logits = adjusted_logits(logits, params, end_ids)
@@ -125,28 +126,57 @@ def sample(
         lambda: greedy,
         lambda: jnp.where(params.temperature == 0.0, greedy, _draw(logits, params)),
     )
-    rows = jnp.arange(tokens.shape[0])
-    # The normaliser is a pass over the whole vocabulary: only when asked for.
-    logprobs = jax.lax.cond(
-        jnp.any(params.want_logprobs),
-        lambda: model_logits[tokens, rows] - jax.nn.logsumexp(model_logits, axis=0),
-        lambda: jnp.zeros(tokens.shape, logits.dtype),
-    )
-    stopped = jnp.any(tokens[:, None] == params.stop_ids, axis=-1)
-    seqs = tokens.shape[0]
     top = min(MAX_TOP_LOGPROBS, logits.shape[0])
 
-    def alternatives() -> tuple[jax.Array, jax.Array]:
-        values, ids = jax.lax.top_k(model_logits.T, top)  # [S, K], best first
-        normaliser = jax.nn.logsumexp(model_logits, axis=0)
+    def chosen_logprobs(columns: jax.Array, rows: jax.Array) -> jax.Array:
+        picked = columns[tokens[rows], jnp.arange(rows.shape[0])]
+        return picked - jax.nn.logsumexp(columns, axis=0)
+
+    def alternatives(columns: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values, ids = jax.lax.top_k(columns.T, top)  # [P, K], best first
+        normaliser = jax.nn.logsumexp(columns, axis=0)
         return ids.astype(jnp.int32), values - normaliser[:, None]
 
-    top_ids, top_logprobs = jax.lax.cond(
-        jnp.any(params.top_count > 0),
-        alternatives,
-        lambda: (jnp.zeros((seqs, top), jnp.int32), jnp.zeros((seqs, top), logits.dtype)),
-    )
+    logprobs = _for_rows_asking(params.want_logprobs, model_logits, chosen_logprobs)
+    stopped = jnp.any(tokens[:, None] == params.stop_ids, axis=-1)
+    top_ids, top_logprobs = _for_rows_asking(params.top_count > 0, model_logits, alternatives)
     return tokens, logprobs, stopped, top_ids, top_logprobs
+
+
+ROW_BUCKETS = (1, 4, 8)  # rows gathered apart when only a few ask
+PENALIZED_ROWS = 4  # penalized rows whose histories are applied at a time
+
+
+def _for_rows_asking(asking: jax.Array, logits: jax.Array, compute: Any) -> Any:
+    """``compute(columns [V, P], rows [P])`` over the columns of the rows that
+    ask, its results scattered back to every row (zeros for the rest). A
+    normaliser or a top-k over the vocabulary costs by the rows it reads, so
+    the columns are gathered apart, P the smallest of ``ROW_BUCKETS`` (or the
+    batch) that holds them (``rows`` padded with the batch size, out of
+    range); nothing is read when no row asks."""
+    seqs = logits.shape[1]
+    buckets = [b for b in ROW_BUCKETS if b < seqs] + [seqs]
+
+    def for_rows(width: int) -> Any:
+        def run() -> Any:
+            (rows,) = jnp.nonzero(asking, size=width, fill_value=seqs)
+            out = compute(logits[:, jnp.minimum(rows, seqs - 1)], rows)
+            return jax.tree.map(
+                lambda x: jnp.zeros((seqs, *x.shape[1:]), x.dtype).at[rows].set(x, mode="drop"),
+                out,
+            )
+
+        return run
+
+    def for_some() -> Any:
+        bucket = jnp.searchsorted(jnp.asarray(buckets), jnp.sum(asking))
+        return jax.lax.switch(bucket, [for_rows(b) for b in buckets])
+
+    def for_none() -> Any:
+        shapes = jax.eval_shape(for_rows(1))
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    return jax.lax.cond(jnp.any(asking), for_some, for_none)
 
 
 def adjusted_logits(
@@ -175,7 +205,7 @@ def adjusted_logits(
     logits = jax.lax.cond(jnp.any(early), masked, lambda: logits)
     penalized = (params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)
     logits = jax.lax.cond(
-        jnp.any(penalized), lambda: _penalize(logits, params, penalized), lambda: logits
+        jnp.any(penalized), lambda: _penalize_rows(logits, params, penalized), lambda: logits
     )
     allowed = params.allowed
     if allowed is None:
@@ -193,32 +223,52 @@ def _constrain(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(bits != 0, logits, -jnp.inf)
 
 
-def _penalize(logits: jax.Array, params: SamplingBatch, penalized: jax.Array) -> jax.Array:
-    """vLLM's penalties over vocabulary-major logits ``[V, S]``: a token seen in
-    the prompt or the output has a positive logit divided by the repetition
-    penalty and a negative one multiplied; then each generated occurrence
-    takes the frequency penalty off, and having occurred at all the presence
-    penalty. Sparse: gathers and scatters at the history's tokens below
-    ``positions`` (``S x H`` of them), never a dense ``[V, S]`` count."""
+def _penalize_rows(logits: jax.Array, params: SamplingBatch, penalized: jax.Array) -> jax.Array:
+    """The penalties of the ``penalized`` rows, ``PENALIZED_ROWS`` of them at a
+    time in a loop over the logits: the gathers and scatters read those rows'
+    histories only, and the logits are changed in place (XLA copies a
+    ``[V, S]`` operand that a multi-way branch would change)."""
+    seqs = logits.shape[1]
+    width = min(PENALIZED_ROWS, seqs)
+    groups = -(-seqs // width)
+    (rows,) = jnp.nonzero(penalized, size=groups * width, fill_value=seqs)
+
+    def one_group(i: jax.Array, logits: jax.Array) -> jax.Array:
+        return _penalize(logits, params, jax.lax.dynamic_slice(rows, (i * width,), (width,)))
+
+    trips = (jnp.sum(penalized) + width - 1) // width
+    return jax.lax.fori_loop(0, trips, one_group, logits)
+
+
+def _penalize(logits: jax.Array, params: SamplingBatch, rows: jax.Array) -> jax.Array:
+    """vLLM's penalties over vocabulary-major logits ``[V, S]``, for ``rows``
+    (out of range: padding): a token seen in the prompt or the output has a
+    positive logit divided by the repetition penalty and a negative one
+    multiplied; then each generated occurrence takes the frequency penalty
+    off, and having occurred at all the presence penalty. Sparse: gathers and
+    scatters at those rows' history tokens below their ``positions``, never a
+    dense ``[V, S]`` count, nor the other rows' histories."""
     vocab, seqs = logits.shape
-    where = jnp.arange(params.history.shape[1])[None, :]  # [1, H]
-    known = (where < params.positions[:, None]) & penalized[:, None]
-    generated = known & (where >= params.prompt_end[:, None])
-    rows = jnp.arange(seqs)[None, :]
-    seen = jnp.where(known, params.history, vocab).T  # [H, S]; vocab: dropped
-    out = jnp.where(generated, params.history, vocab).T
+    valid = rows < seqs
+    at_row = jnp.minimum(rows, seqs - 1)
+    history = params.history[at_row]  # [P, H]
+    where = jnp.arange(history.shape[1])[None, :]
+    known = (where < params.positions[at_row][:, None]) & valid[:, None]
+    generated = known & (where >= params.prompt_end[at_row][:, None])
+    columns = rows[None, :]  # [1, P]; out of range: dropped
+    seen = jnp.where(known, history, vocab).T  # [H, P]; vocab: dropped
+    out = jnp.where(generated, history, vocab).T
     # Duplicates write the same value: each token is changed once.
-    at = logits.at[seen, rows].get(mode="fill", fill_value=0.0)
-    repetition = params.repetition[None, :]
-    logits = logits.at[seen, rows].set(
+    at = logits.at[seen, columns].get(mode="fill", fill_value=0.0)
+    repetition = params.repetition[at_row][None, :]
+    logits = logits.at[seen, columns].set(
         jnp.where(at > 0, at / repetition, at * repetition), mode="drop"
     )
     # Duplicates add up: the frequency penalty once per occurrence.
-    logits = logits.at[out, rows].add(
-        jnp.broadcast_to(-params.frequency[None, :], out.shape), mode="drop"
-    )
-    at = logits.at[out, rows].get(mode="fill", fill_value=0.0)
-    return logits.at[out, rows].set(at - params.presence[None, :], mode="drop")
+    frequency = params.frequency[at_row][None, :]
+    logits = logits.at[out, columns].add(jnp.broadcast_to(-frequency, out.shape), mode="drop")
+    at = logits.at[out, columns].get(mode="fill", fill_value=0.0)
+    return logits.at[out, columns].set(at - params.presence[at_row][None, :], mode="drop")
 
 
 def _min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:

@@ -30,6 +30,12 @@ from kvd.sched.constraint import allowed_tokens, mask_words
 VOCAB = 1024
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Over the vocabulary axis (0) of ``[V, S]`` logits."""
+    shifted = x - x.max(0)
+    return shifted - np.log(np.exp(shifted).sum(0))
+
+
 def oracle_keep(row: np.ndarray, top_k: int, top_p: float) -> set[int]:
     """vLLM's order: top-k, then top-p over the renormalised rest; the best stays."""
     order = np.argsort(-row, kind="stable")
@@ -221,8 +227,9 @@ def test_min_p_draws_stay_in_numpys_set(min_p: float, top_k: int) -> None:
 
 def test_top_logprobs_are_numpys_best_tokens_of_the_log_softmax() -> None:
     """The alternatives are the model's most likely tokens, best first, with
-    their log-softmax values (before biases); a batch where no row asks gets
-    zeros (the pass is skipped)."""
+    their log-softmax values (before biases), for the rows that ask; a row
+    that does not, or a batch where none asks, gets zeros (the pass is
+    skipped)."""
     rng = np.random.default_rng(8)
     rows = 3
     logits = rng.normal(0, 2, (VOCAB, rows)).astype(np.float32)
@@ -240,12 +247,41 @@ def test_top_logprobs_are_numpys_best_tokens_of_the_log_softmax() -> None:
     _, _, _, ids, values = step(jnp.asarray(logits), batch)
     shifted = logits - logits.max(0)
     log_softmax = shifted - np.log(np.exp(shifted).sum(0))
-    for r in range(rows):
+    for r in (0, 2):
         best = np.argsort(-log_softmax[:, r], kind="stable")[:MAX_TOP_LOGPROBS]
         assert np.asarray(ids)[r].tolist() == best.tolist()
         np.testing.assert_allclose(np.asarray(values)[r], log_softmax[best, r], atol=1e-5)
+    assert not np.asarray(ids)[1].any() and not np.asarray(values)[1].any()
     _, _, _, ids, values = step(jnp.asarray(logits), sampling_batch(rows))
     assert not np.asarray(ids).any() and not np.asarray(values).any()
+
+
+@pytest.mark.parametrize("asking", [[], [7], [0, 4, 9], [1, 2, 3, 5, 6], list(range(10))])
+def test_logprobs_are_computed_for_the_rows_that_ask_whatever_their_number(
+    asking: list[int],
+) -> None:
+    """However many rows ask (none, one, a few gathered apart, all), each gets
+    the log-softmax of its chosen token and of its best tokens, and the
+    others get zeros."""
+    rng = np.random.default_rng(len(asking))
+    rows = 10
+    logits = rng.normal(0, 2, (VOCAB, rows)).astype(np.float32)
+    wants = np.isin(np.arange(rows), asking)
+    batch = sampling_batch(
+        rows,
+        want_logprobs=jnp.asarray(wants),
+        top_count=jnp.asarray(np.where(wants, 5, 0), jnp.int32),
+    )
+    tokens, logprobs, _, ids, values = jax.jit(sample)(jnp.asarray(logits), batch)
+    own = log_softmax(logits.astype(np.float64))
+    for r in range(rows):
+        if r in asking:
+            best = np.argsort(-own[:, r], kind="stable")[:MAX_TOP_LOGPROBS]
+            assert np.asarray(ids)[r].tolist() == best.tolist()
+            np.testing.assert_allclose(np.asarray(values)[r], own[best, r], atol=1e-5)
+            assert abs(float(logprobs[r]) - own[int(tokens[r]), r]) < 1e-5
+        else:
+            assert float(logprobs[r]) == 0.0 and not np.asarray(ids)[r].any()
 
 
 def penalized_oracle(
@@ -309,11 +345,6 @@ def test_penalties_give_numpys_next_token_distribution() -> None:
     )
     adjusted = np.asarray(jax.jit(adjusted_logits)(jnp.asarray(logits), batch))
     want = penalized_oracle(logits, history, prompt_end, positions, penalties)
-
-    def log_softmax(x: np.ndarray) -> np.ndarray:
-        shifted = x - x.max(0)
-        return shifted - np.log(np.exp(shifted).sum(0))
-
     np.testing.assert_allclose(log_softmax(adjusted), log_softmax(want), atol=1e-5)
     np.testing.assert_array_equal(adjusted[:, 0], logits[:, 0])
     tokens, logprobs, *_ = jax.jit(sample)(jnp.asarray(logits), batch)
