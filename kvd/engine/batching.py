@@ -65,14 +65,16 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 # A sequence's sampling row. Ints: top_k, seed, position, logprobs wanted,
 # the position from which end tokens may be sampled (min_tokens), how many
-# alternatives' logprobs, where the prompt ends, stop ids, biased token ids.
+# alternatives' logprobs, where the prompt ends, how many alternatives of the
+# prompt's own logprobs (-1: not asked), stop ids, biased token ids.
 # Floats: temperature, top_p, min_p, the presence, frequency and repetition
 # penalties, the biases. A row without biases holds -1 ids; the device step
 # skips biases when no row has one.
 SAMPLING_MIN_END = 4
 SAMPLING_TOP = 5
 SAMPLING_PROMPT = 6
-SAMPLING_STOP = 7
+SAMPLING_SCORE = 7
+SAMPLING_STOP = 8
 SAMPLING_BIAS = SAMPLING_STOP + MAX_STOP_IDS
 SAMPLING_INTS = SAMPLING_BIAS + MAX_LOGIT_BIAS
 SAMPLING_PENALTIES = 3  # presence, frequency, repetition
@@ -241,6 +243,7 @@ class SequenceRows:
         ints[SAMPLING_MIN_END] = prompt + params.min_tokens if params.min_tokens else 0
         ints[SAMPLING_TOP] = params.top_logprobs
         ints[SAMPLING_PROMPT] = prompt
+        ints[SAMPLING_SCORE] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         ints[SAMPLING_STOP:] = -1
         ints[SAMPLING_STOP : SAMPLING_STOP + len(params.stop_token_ids)] = params.stop_token_ids
         floats[0] = params.temperature

@@ -32,6 +32,7 @@ from kvd.engine.batching import (
     SAMPLING_MIN_END,
     SAMPLING_PENALTIES,
     SAMPLING_PROMPT,
+    SAMPLING_SCORE,
     SAMPLING_STOP,
     SAMPLING_TOP,
     SequenceRows,
@@ -54,14 +55,14 @@ from kvd.engine.model import (
     head_vocab_major,
     prepare_params,
 )
-from kvd.engine.sampling import SamplingBatch, sample
+from kvd.engine.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
 from kvd.kv.columns import BLOCKS, COMPUTED, LAST_TOKEN, LENGTH, SERIAL, TABLE_VERSION
 from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.layout import build_layout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
 from kvd.sched.constraint import mask_words
-from kvd.sched.executor import ExecutorLimits, ParamsLookup, StepOutput
+from kvd.sched.executor import ExecutorLimits, ParamsLookup, PromptScores, StepOutput
 
 Progress = Callable[[int, int, str], None]
 
@@ -90,16 +91,78 @@ def run_body(
     params: Params,
     pool: jax.Array,
     flat: jax.Array,
+    every: jax.Array,
     *,
     tokens: int,
     width: int,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decoder stack over a packed StepBatch; returns the hidden states of
-    the rows to sample, ``[S_max, D]``, and the pool."""
+    the rows to sample, ``[S_max, D]``, the step's hidden states of every
+    token written over the first rows of ``every`` (a donated ``[T_max, D]``
+    buffer: one shape for every bucket, so the prompt-scoring program that
+    reads it compiles once; rows past the step's hold stale values, never
+    scored), and the pool."""
     groups = len(spec.group_slots)
     batch = StepBatch(*unpack(flat, batch_shapes(tokens, max_seqs, width, groups)))
     hidden, pool = body(spec, params, pool, batch)
-    return hidden[batch.sample_index], pool
+    every = jax.lax.dynamic_update_slice(every, hidden.astype(every.dtype), (0, 0))
+    return hidden[batch.sample_index], every, pool
+
+
+SCORE_ROWS = 16  # prompt positions whose logits ([V, 16]) are computed at a time
+
+
+def score_prompt(
+    spec: EngineSpec, params: Params, hidden: jax.Array, targets: jax.Array, alternatives: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A prompt's own logprobs: for each token row of ``hidden [T, D]`` whose
+    ``targets`` entry is a token id (-1: not scored), the logprob of that
+    token (the prompt's next) and, when ``alternatives`` (a scalar) is not 0,
+    the ``MAX_TOP_LOGPROBS`` likeliest tokens with theirs: ``[T]``, ``[T, K]``,
+    ``[T, K]``, zeros elsewhere. The head runs over the scored rows alone,
+    ``SCORE_ROWS`` at a time, so the logits of a long prompt never exist at
+    once."""
+    total = hidden.shape[0]
+    chunk = min(SCORE_ROWS, total)
+    groups = -(-total // chunk)
+    scored = targets >= 0
+    top = min(MAX_TOP_LOGPROBS, spec.config.vocab_size)
+    empty = (
+        jnp.zeros(total, jnp.float32),
+        jnp.zeros((total, top), jnp.int32),
+        jnp.zeros((total, top), jnp.float32),
+    )
+
+    def run() -> tuple[jax.Array, jax.Array, jax.Array]:
+        (rows,) = jnp.nonzero(scored, size=groups * chunk, fill_value=total)
+
+        def one_chunk(
+            i: jax.Array, out: tuple[jax.Array, jax.Array, jax.Array]
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+            at = jax.lax.dynamic_slice(rows, (i * chunk,), (chunk,))
+            clipped = jnp.minimum(at, total - 1)
+            logits = head_vocab_major(spec, params, hidden[clipped])  # [V, chunk]
+            normaliser = jax.nn.logsumexp(logits, axis=0)
+            wanted = logits[jnp.maximum(targets[clipped], 0), jnp.arange(chunk)] - normaliser
+
+            def best() -> tuple[jax.Array, jax.Array]:
+                values, ids = jax.lax.top_k(logits.T, top)
+                return ids.astype(jnp.int32), values - normaliser[:, None]
+
+            ids, values = jax.lax.cond(
+                alternatives > 0, best, lambda: (empty[1][:chunk], empty[2][:chunk])
+            )
+            logprobs, top_ids, top_values = out
+            return (
+                logprobs.at[at].set(wanted, mode="drop"),
+                top_ids.at[at].set(ids, mode="drop"),
+                top_values.at[at].set(values, mode="drop"),
+            )
+
+        trips = (jnp.sum(scored) + chunk - 1) // chunk
+        return jax.lax.fori_loop(0, trips, one_chunk, empty)
+
+    return jax.lax.cond(jnp.any(scored), run, lambda: empty)
 
 
 def head_and_sample(
@@ -280,6 +343,10 @@ class Engine:
         # bucket of 1. A lone decode in the 2-token bucket: 22 ms for the 270M,
         # 24.5 ms in a 4-token one.)
         self.token_buckets = powers_of_two(2, max(2, cfg.max_num_batched_tokens))
+        every_shape = (self.token_buckets[-1], model.config.hidden_size)
+        self._every_hidden = jnp.zeros(every_shape, self.params["embed"].dtype)
+        if self.mesh is not None:
+            self._every_hidden = jax.device_put(self._every_hidden, everywhere)
         self.seq_buckets = powers_of_two(1, cfg.max_num_seqs)
         # The reference attention's cost follows the live keys whatever the
         # tables' width, so it compiles one width (each program costs ~0.1 GB of
@@ -301,13 +368,13 @@ class Engine:
         self._replicated = None
         if self.mesh is not None:
             self._replicated = everywhere
-            shardings = {"out_shardings": (everywhere, pool_sharding)}
+            shardings = {"out_shardings": (everywhere, everywhere, pool_sharding)}
             head_shardings = {"out_shardings": everywhere}
             copy_shardings = {"out_shardings": pool_sharding}
         self._body = jax.jit(
             partial(run_body, self.spec, cfg.max_num_seqs),
             static_argnames=("tokens", "width"),
-            donate_argnums=(1,),
+            donate_argnums=(1, 3),
             **shardings,
         )
         tokenizer = model.tokenizer
@@ -325,6 +392,7 @@ class Engine:
         self.page_buckets = tuple(
             sorted({*(16 * 4**i for i in range(8) if 16 * 4**i < most), most})
         )
+        self._score = jax.jit(partial(score_prompt, self.spec), **head_shardings)
         self._gather = jax.jit(lambda pool, pages: pool[pages])
         self._scatter = jax.jit(
             lambda pool, pages, data: pool.at[pages].set(data),
@@ -478,7 +546,7 @@ class Engine:
         """Compile every bucket before serving; returns seconds spent."""
         start = time.perf_counter()
         shapes = self.shape_buckets()
-        total = len(shapes) + len(self.seq_buckets)
+        total = len(shapes) + len(self.seq_buckets) + 1
         for done, (tokens, width) in enumerate(shapes, 1):
             self._body_program(tokens, width)
             if progress is not None:
@@ -487,6 +555,9 @@ class Engine:
             self._head_program(seqs)
             if progress is not None:
                 progress(done, total, f"head and sampling: {seqs} sequences")
+        self._score_program()
+        if progress is not None:
+            progress(total - 1, total, "prompt logprobs")
         for size in self.page_buckets:  # swap copies: small programs, all of them
             index = self._spec((size,), jnp.int32)
             values = self._spec((size, *self.pool.shape[1:]), self.pool.dtype)
@@ -508,8 +579,8 @@ class Engine:
         for tokens, width in shapes:
             tables = np.zeros((groups, seqs, width), np.int32)
             batch = assemble_step_batch([], [], [], tables, self.layout.block_size, tokens)
-            hidden, self.pool = self._body_program(tokens, width)(
-                self.params, self.pool, self._put(pack(batch))
+            hidden, self._every_hidden, self.pool = self._body_program(tokens, width)(
+                self.params, self.pool, self._put(pack(batch)), self._every_hidden
             )
         hidden.block_until_ready()
 
@@ -530,6 +601,7 @@ class Engine:
             self.params,
             self.pool,
             flat,
+            self._every_hidden,
             tokens=tokens,
             width=width,
         )
@@ -552,6 +624,16 @@ class Engine:
             history,
             allowed,
             seqs=seqs,
+        )
+
+    def _score_program(self) -> Any:
+        program = self._programs.get(("score", 0, 0))
+        if program is not None:
+            return program
+        targets = self._spec((self.token_buckets[-1],), jnp.int32)
+        alternatives = self._spec((), jnp.int32)
+        return self._program(
+            ("score", 0, 0), self._score, self.params, self._every_hidden, targets, alternatives
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -609,16 +691,22 @@ class Engine:
             )
             flat = pack(batch)
             ends = batch.positions[batch.sample_index[:count]] + 1
+        scoring = None if decodes else self._prompt_targets(seqs, counts, starts, rows[:count])
         ints, floats = cache.sampling(rows[:seqs_bucket], ends)
         history = self._histories(rows[:seqs_bucket], seqs, ends)
         allowed = self._masks(seqs_bucket, masks)
         body_program = self._body_program(tokens_bucket, width)
         head_program = self._head_program(seqs_bucket)
         started = time.perf_counter()
-        hidden, self.pool = body_program(self.params, self.pool, self._put(flat))
+        hidden, self._every_hidden, self.pool = body_program(
+            self.params, self.pool, self._put(flat), self._every_hidden
+        )
         sampled, logprobs, stopped, top_ids, top_logprobs = head_program(
             self.params, hidden, self._put(ints), self._put(floats), history, allowed
         )
+        prompt = None
+        if scoring is not None:
+            prompt = self._score_prompts(*scoring, count)
         sampled, logprobs, stopped = np.asarray(sampled), np.asarray(logprobs), np.asarray(stopped)
         top = None
         if cache.ints[rows[:count], SAMPLING_TOP].any():  # only then is the result read
@@ -627,6 +715,58 @@ class Engine:
         if decodes:
             self.decode_tokens += count
             self.decode_seconds += time.perf_counter() - entered
+        top_ids, top_logprobs = top or (None, None)
         return StepOutput(
-            sampled[:count], logprobs[:count], stopped[:count], *(top or (None, None))
+            sampled[:count], logprobs[:count], stopped[:count], top_ids, top_logprobs, prompt
         )
+
+    def _prompt_targets(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        starts: np.ndarray[Any, Any],
+        rows: np.ndarray[Any, Any],
+    ) -> tuple[np.ndarray[Any, Any], list[tuple[int, int, int, int, int]]] | None:
+        """For the sequences whose prompt's own logprobs were asked and whose
+        chunk this step holds prompt positions with a next prompt token:
+        each token's target (the next token, -1 elsewhere) in the step's
+        flattened order, and (sequence, offset, first position, count,
+        alternatives) per span. None: no sequence asks (nearly every step)."""
+        wanted = self._rows.ints[rows, SAMPLING_SCORE]
+        if not (wanted >= 0).any():
+            return None
+        offsets = np.cumsum(counts) - np.asarray(counts)
+        targets = np.full(int(sum(counts)), -1, np.int32)
+        spans = []
+        for i in np.flatnonzero(wanted >= 0).tolist():
+            start = int(starts[i])
+            prompt_end = int(self._rows.ints[rows[i], SAMPLING_PROMPT])
+            stop = min(start + counts[i], prompt_end - 1)  # the last prompt token has no next
+            if stop > start:
+                offset = int(offsets[i])
+                targets[offset : offset + stop - start] = seqs[i].tokens[start + 1 : stop + 1]
+                spans.append((i, offset, start, stop - start, int(wanted[i])))
+        return (targets, spans) if spans else None
+
+    def _score_prompts(
+        self, targets: np.ndarray[Any, Any], spans: list[tuple[int, int, int, int, int]], count: int
+    ) -> list[PromptScores | None]:
+        padded = np.full(self.token_buckets[-1], -1, np.int32)
+        padded[: len(targets)] = targets
+        most = np.asarray(max(span[4] for span in spans), np.int32)
+        program = self._score_program()
+        logprobs, top_ids, top_values = (
+            np.asarray(a)
+            for a in program(self.params, self._every_hidden, self._put(padded), self._put(most))
+        )
+        scores: list[PromptScores | None] = [None] * count
+        for i, offset, start, n, k in spans:
+            at = slice(offset, offset + n)
+            top = None
+            if k:
+                top = [
+                    tuple(zip(ids[:k].tolist(), values[:k].tolist(), strict=True))
+                    for ids, values in zip(top_ids[at], top_values[at], strict=True)
+                ]
+            scores[i] = PromptScores(start + 1, logprobs[at].tolist(), top)
+        return scores

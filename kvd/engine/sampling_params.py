@@ -43,6 +43,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # The prompt's own logprobs (completions' ``echo`` with ``logprobs``): each
+    # prompt token's after the first, and this many alternatives at each
+    # position; None: not asked. The prompt is then computed whole, not
+    # taken from the prefix cache.
+    prompt_logprobs: int | None = None
     # Set by the scheduler, not by a client: tokens of this request's output
     # already in its sequence when it starts (a sequence recomputed after a
     # preemption), so the prompt ends that many tokens before the sequence does.
@@ -78,6 +83,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.resumed_output < 0:
             raise ValueError("resumed_output must be >= 0")
 

@@ -33,9 +33,10 @@ class PrefixCache(KVCore):
             )
         return hashes
 
-    def lookup(self, seq: Sequence, *, host: bool = True) -> PrefixHit:
+    def lookup(self, seq: Sequence, *, host: bool = True, use_cache: bool = True) -> PrefixHit:
         """The longest prefix of a waiting sequence whose KV is cached, on the
-        device or (``host``) on the host tier.
+        device or (``host``) on the host tier; none without ``use_cache`` (a
+        sequence that must compute its whole prompt).
 
         Only full blocks count, and at least one token is left to compute (its
         logits are needed). Global groups need every block of the hit; sliding
@@ -48,7 +49,7 @@ class PrefixCache(KVCore):
         if seq.state is not KVState.WAITING:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not waiting")
         scope = self._ensure_scope(seq)
-        max_blocks = (len(seq.tokens) - 1) // self.block_size
+        max_blocks = (len(seq.tokens) - 1) // self.block_size if use_cache else 0
         hashes = self._extend_hashes(seq, max_blocks)
         index = self.pool.index
         tier = self.host.blocks if host and self.host.blocks else None

@@ -103,6 +103,8 @@ class SchedulerCore:
         # recovered from, (what, cause).
         self.fault_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
         self.copy_failures: deque[tuple[str, str]] = deque(maxlen=4096)
+        # Requests holding their prompt's own logprobs until their first token.
+        self._scoring: set[Request] = set()
         # Per public prefix: [requests that started with it, of those served
         # from cache, prompt tokens served from cache].
         self.prefix_hits: dict[str, list[int]] = {}

@@ -53,16 +53,29 @@ class ParamsLookup(Protocol):
     def __getitem__(self, index: int, /) -> SamplingParams | None: ...
 
 
+class PromptScores(NamedTuple):
+    """A prompt's own logprobs from one step's chunk of it: those of prompt
+    tokens ``first``, ``first + 1``, ... (each given the tokens before it)
+    and, when asked, each position's likeliest tokens with theirs."""
+
+    first: int
+    logprobs: list[float]
+    top: list[tuple[tuple[int, float], ...]] | None
+
+
 class StepOutput(NamedTuple):
     """Per sequence of a step: its sampled token, that token's logprob, whether a
     stop id ended it; and, when some sequence asked for alternatives, the most
-    likely tokens and their logprobs, best first (``[S, MAX_TOP_LOGPROBS]``)."""
+    likely tokens and their logprobs, best first (``[S, MAX_TOP_LOGPROBS]``);
+    and, when a sequence asked for its prompt's own logprobs and computed
+    some of its prompt, those (None for the others)."""
 
     tokens: Array
     logprobs: Array
     stopped: Array
     top_ids: Array | None = None
     top_logprobs: Array | None = None
+    prompt: list[PromptScores | None] | None = None
 
 
 class Executor(Protocol):

@@ -68,6 +68,21 @@ class Request:
     forks: list[Request] = field(default_factory=list)  # the other choices, for the first
     # Structured output: the grammar the output follows (each choice its own copy).
     constraint: Constraint | None = None
+    # The prompt's own logprobs, when asked (the first choice computes them):
+    # by prompt position, as the steps computing the prompt give them, until
+    # they go out with the first token.
+    prompt_scores: dict[int, tuple[float, tuple[tuple[int, float], ...] | None]] | None = None
+    prompt_scores_sent: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt's own logprobs are still to compute: its
+        prompt then runs whole, not from the prefix cache."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.lead is None
+            and not self.prompt_scores_sent
+        )
 
     @property
     def shared_prompt(self) -> int:
@@ -147,6 +162,8 @@ class ParamsOf:
     def __getitem__(self, index: int) -> SamplingParams:
         request = self._requests[index]
         params = request.params
+        if params.prompt_logprobs is not None and not request.scores_prompt:
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
         if (params.min_tokens or params.penalized) and request.seq is not None:
             # A sequence recomputed after a preemption starts with its output
             # so far: min_tokens and the penalties must know where the prompt ends.
@@ -166,6 +183,10 @@ class StepEvent(msgspec.Struct, frozen=True):
     # The most likely tokens and their logprobs, best first, when asked for.
     top: tuple[tuple[int, float], ...] | None = None
     choice: int = 0  # which of the request's n choices
+    # With a request's first token (its first choice's), when asked: the
+    # prompt's own logprobs, of its tokens after the first, each with its
+    # alternatives when asked.
+    prompt: tuple[tuple[float, tuple[tuple[int, float], ...] | None], ...] | None = None
 
 
 class SlotInfo:

@@ -263,7 +263,7 @@ class Scheduler(TokenHandling):
                 request.params.ignore_eos,
             )
         seq = request.seq
-        hit = kv.lookup(seq)
+        hit = kv.lookup(seq, use_cache=not request.scores_prompt)
         if hit.reloads and not self._reload_pays(hit, seq):
             hit = kv.lookup(seq, host=False)
         n = plan.room(hit.num_tokens, len(seq.tokens) - hit.num_tokens)

@@ -31,7 +31,13 @@ from kvd.kv.layout import PageLayout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
 from kvd.sched.constraint import allowed_tokens
-from kvd.sched.executor import ExecutorLimits, ParamsLookup, SequenceFault, StepOutput
+from kvd.sched.executor import (
+    ExecutorLimits,
+    ParamsLookup,
+    PromptScores,
+    SequenceFault,
+    StepOutput,
+)
 
 Array = np.ndarray[Any, Any]
 UNWRITTEN = -1
@@ -122,11 +128,18 @@ class SimulatedExecutor:
         self.unhang = threading.Event()
         self._started: set[int] = set()  # sequences that have run (their params read)
         self._min_end: dict[int, int] = {}  # by sequence: end tokens allowed from this length
+        # By sequence, when its prompt's own logprobs were asked: (prompt end, alternatives).
+        self._scoring: dict[int, tuple[int, int]] = {}
 
     def bind(self, kv: KVManager) -> None:
         if kv.layout != self.layout or kv.pool.num_pages != self.num_pages:
             raise ValueError("the KV manager's layout or pool size is not this executor's")
         self.kv = kv
+        # What it kept per sequence was keyed by the other manager's ids (a
+        # calibration's scratch manager numbers its sequences from 1 too).
+        self._started.clear()
+        self._min_end.clear()
+        self._scoring.clear()
 
     def run(
         self,
@@ -148,10 +161,15 @@ class SimulatedExecutor:
         sampled = np.zeros(len(seqs), np.int64)
         stopped = np.zeros(len(seqs), np.bool_)
         wanted: list[SamplingParams | None] = []
+        prompt: list[PromptScores | None] | None = None
         for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             start = computed[i]
             end = start + n
             self._write(seq, start, end)
+            scores = self._prompt_scores(seq, start, end)
+            if scores is not None:
+                prompt = prompt or [None] * len(seqs)
+                prompt[i] = scores
             if end == len(seq.tokens):
                 p = params[i]
                 wanted.append(p)
@@ -173,8 +191,27 @@ class SimulatedExecutor:
                 -0.5 - np.arange(MAX_TOP_LOGPROBS, dtype=np.float32), top_ids.shape
             )
         return StepOutput(
-            sampled, np.full(len(seqs), -0.5, np.float32), stopped, top_ids, top_logprobs
+            sampled, np.full(len(seqs), -0.5, np.float32), stopped, top_ids, top_logprobs, prompt
         )
+
+    def _prompt_scores(self, seq: Sequence, start: int, end: int) -> PromptScores | None:
+        """As the engine's, for a sequence that asked: prompt tokens
+        ``start + 1`` up to the prompt's end, each given logprob -0.25 and
+        its own id first among its alternatives."""
+        scoring = self._scoring.get(seq.seq_id)
+        if scoring is None:
+            return None
+        prompt_end, k = scoring
+        stop = min(end, prompt_end - 1)
+        if stop <= start:
+            return None
+        targets = seq.tokens[start + 1 : stop + 1]
+        top = None
+        if k:
+            values = (-0.25 - np.arange(k, dtype=np.float32)).tolist()
+            vocab = self.limits.vocab_size
+            top = [tuple(((t + j) % vocab, values[j]) for j in range(k)) for t in targets]
+        return PromptScores(start + 1, [-0.25] * len(targets), top)
 
     def _inject_faults(self, seqs: list[Sequence], params: ParamsLookup) -> None:
         action = faults.fire("step")
@@ -191,9 +228,11 @@ class SimulatedExecutor:
                 self._started.add(seq.seq_id)
                 # As the engine: min_tokens count from the end of the prompt.
                 own = params[i]
+                prompt = len(seq.tokens) - own.resumed_output if own is not None else 0
                 if own is not None and own.min_tokens:
-                    prompt = len(seq.tokens) - own.resumed_output
                     self._min_end[seq.seq_id] = prompt + own.min_tokens
+                if own is not None and own.prompt_logprobs is not None:
+                    self._scoring[seq.seq_id] = (prompt, own.prompt_logprobs)
 
     def _pages(self, seq: Sequence, group: int, positions: Array) -> Array:
         table = np.asarray(seq.tables[group], np.int64)

@@ -12,9 +12,9 @@ import numpy as np
 
 from kvd.kv.columns import COMPUTED, LENGTH
 from kvd.kv.sequence import Sequence
-from kvd.sched.executor import StepOutput
+from kvd.sched.executor import PromptScores, StepOutput
 from kvd.sched.preemption import Preemption
-from kvd.sched.requests import Request, StepEvent, StepWork
+from kvd.sched.requests import Request, RequestState, StepEvent, StepWork
 
 Array = np.ndarray[Any, Any]
 
@@ -102,6 +102,8 @@ class TokenHandling(Preemption):
             info.ignore_eos,
         )
         requests = work.requests
+        if output.prompt is not None:
+            self._keep_prompt_scores(requests, output.prompt)
         if out.keep is not None:
             keep = out.keep.tolist()
             requests = [requests[i] for i in keep]
@@ -135,6 +137,8 @@ class TokenHandling(Preemption):
         )
         if output.top_ids is not None:
             self._attach_top(events, requests, out.keep, output.top_ids, output.top_logprobs)
+        if self._scoring:
+            self._attach_prompt_scores(events, requests)
         first = len(events) - len(requests)
         for i, why in broken.items():  # an error, not a token: the request fails
             request = requests[i]
@@ -172,6 +176,43 @@ class TokenHandling(Preemption):
             elif constraint.finished():
                 finished[i] = by_stop[i] = True
         return broken
+
+    def _keep_prompt_scores(
+        self, requests: list[Request], scores: list[PromptScores | None]
+    ) -> None:
+        """What a step computed of prompts' own logprobs, kept by position
+        until the first token (a prompt computed again after a preemption
+        gives the same values again)."""
+        for request, chunk in zip(requests, scores, strict=True):
+            if chunk is None or not request.scores_prompt:
+                continue
+            if request.prompt_scores is None:
+                request.prompt_scores = {}
+                self._scoring.add(request)
+            tops = chunk.top if chunk.top is not None else [None] * len(chunk.logprobs)
+            for position, entry in enumerate(zip(chunk.logprobs, tops, strict=True), chunk.first):
+                request.prompt_scores[position] = entry
+
+    def _attach_prompt_scores(self, events: list[StepEvent], requests: list[Request]) -> None:
+        """Each first token of a request whose prompt was scored carries the
+        scores, in prompt order (the last events, one per request); requests
+        that ended before a first token are forgotten."""
+        first = len(events) - len(requests)
+        at = {request: i for i, request in enumerate(requests) if request in self._scoring}
+        for request in list(self._scoring):
+            i = at.get(request)
+            if i is None:
+                if request.state is RequestState.FINISHED:
+                    self._scoring.discard(request)
+                continue
+            scores = request.prompt_scores
+            assert scores is not None
+            events[first + i] = msgspec.structs.replace(
+                events[first + i],
+                prompt=tuple(scores[p] for p in range(1, request.prompt_len)),
+            )
+            request.prompt_scores, request.prompt_scores_sent = None, True
+            self._scoring.discard(request)
 
     @staticmethod
     def _attach_top(

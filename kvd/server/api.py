@@ -2,7 +2,7 @@
 
 Bodies reject unknown fields: a misspelt parameter is a 400 naming it, not a
 silently ignored setting. Parameters OpenAI defines that kvd does not
-implement (``suffix``, tools, ``echo`` with logprobs) are accepted only at
+implement (``suffix``, tools) are accepted only at
 their neutral value, and refused with a message otherwise.
 """
 
@@ -275,12 +275,6 @@ def _unsupported(request: _Common) -> None:
     if isinstance(request, CompletionRequest):
         checks += [
             (
-                bool(request.echo) and request.logprobs is not None,
-                "echo",
-                "echo with logprobs (the prompt's logprobs) is not supported; "
-                "echo alone, or logprobs alone, is",
-            ),
-            (
                 request.best_of not in (None, request.n or 1),
                 "best_of",
                 "best_of must equal n (choices are not ranked)",
@@ -453,6 +447,7 @@ def prepare(
         raise ApiError(400, f"n is {n}; this server allows at most {max_n}", param="n")
     stop, stop_ids = _stops(request)
     echo: str | None = None
+    prompt_logprobs: int | None = None
     bad_stop = [t for t in stop_ids if not 0 <= t < vocab]
     if bad_stop:
         raise ApiError(
@@ -485,6 +480,8 @@ def prepare(
             )
         want_logprobs = request.logprobs is not None
         top_logprobs = request.logprobs or 0
+        if request.echo and want_logprobs:  # the prompt's own, before the output's
+            prompt_logprobs = top_logprobs
     problem = prompt_problem(prompt, vocab, max_model_len)
     if problem is not None:
         raise ApiError(
@@ -549,6 +546,7 @@ def prepare(
         repetition_penalty=1.0
         if request.repetition_penalty is None
         else request.repetition_penalty,
+        prompt_logprobs=prompt_logprobs,
     )
     options = request.stream_options
     return Prepared(

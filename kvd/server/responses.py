@@ -30,6 +30,21 @@ log = structlog.get_logger("kvd")
 _encoder = msgspec.json.Encoder()
 
 
+def _joined(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two completions logprobs objects as one, ``then`` after ``first``."""
+    if then is None:
+        return first
+    tops = None
+    if first["top_logprobs"] is not None:
+        tops = first["top_logprobs"] + then["top_logprobs"]
+    return {
+        "tokens": first["tokens"] + then["tokens"],
+        "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+        "top_logprobs": tops,
+        "text_offset": first["text_offset"] + then["text_offset"],
+    }
+
+
 def engine_failed(cause: str | None) -> ApiError:
     return ApiError(503, failed_message(cause), code=ENGINE_FAILED, retry_after=5)
 
@@ -40,7 +55,16 @@ _UNFINISHED = ("abort", "deadline", "error", ENGINE_FAILED)  # an error body, no
 class Choice:
     """One of a request's ``n`` completions on its way to text."""
 
-    __slots__ = ("index", "text", "tokens", "logprobs", "tops", "finish_reason", "sent_text")
+    __slots__ = (
+        "index",
+        "text",
+        "tokens",
+        "logprobs",
+        "tops",
+        "finish_reason",
+        "sent_text",
+        "echoed",
+    )
 
     def __init__(self, index: int, text: TextStream) -> None:
         self.index = index
@@ -50,6 +74,7 @@ class Choice:
         self.tops: list[tuple[tuple[int, float], ...]] = []  # alternatives, when asked
         self.finish_reason: str | None = None
         self.sent_text = 0  # characters streamed so far (logprobs' text offsets)
+        self.echoed = False  # its echo chunk was streamed
 
 
 class Relay:
@@ -77,6 +102,9 @@ class Relay:
             Choice(i, TextStream(state.tokenizer, prepared.params.stop)) for i in range(prepared.n)
         ]
         self.finish_reason: str | None = None  # the request's, once every choice has one
+        # echo with logprobs: the prompt's own (its tokens after the first),
+        # from the first token's event.
+        self.prompt_scores: tuple[tuple[float, tuple[tuple[int, float], ...] | None], ...] = ()
         self.failure: str | None = None  # why it ended with an error
         self.first_token_at: float | None = None
         self.created = int(time.time())
@@ -141,6 +169,8 @@ class Relay:
             raise faults.InjectedFault("injected: detokenizing failed")
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        if events[0].prompt is not None:
+            self.prompt_scores = events[0].prompt
         last = events[-1]
         finish = last.finish_reason if last.finished else None
         text = choice.text
@@ -209,6 +239,15 @@ class Relay:
                     for piece, value, top in zip(pieces, values, tops, strict=True)
                 ]
             }
+        return self._completion_logprobs(pieces, list(values), list(tops), text_offset)
+
+    def _completion_logprobs(
+        self,
+        pieces: list[str],
+        values: list[float | None],
+        tops: list[tuple[tuple[int, float], ...] | None],
+        text_offset: int,
+    ) -> dict[str, Any]:
         offsets, at = [], text_offset
         for piece in pieces:
             offsets.append(at)
@@ -217,11 +256,30 @@ class Relay:
             "tokens": pieces,
             "token_logprobs": values,
             # Keyed by text, as OpenAI's are (two ids with one text: the likelier).
-            "top_logprobs": [{self._piece(t): v for t, v in reversed(top)} for top in tops]
+            "top_logprobs": [
+                None if top is None else {self._piece(t): v for t, v in reversed(top)}
+                for top in tops
+            ]
             if self.prepared.params.top_logprobs
             else None,
             "text_offset": offsets,
         }
+
+    def _prompt_logprobs(self) -> dict[str, Any]:
+        """echo's logprobs: the prompt's tokens, the first with none (nothing
+        comes before it), as vLLM gives them."""
+        prompt = self.prepared.prompt
+        values: list[float | None] = [None, *(value for value, _ in self.prompt_scores)]
+        tops: list[tuple[tuple[int, float], ...] | None] = [
+            None,
+            *(top or () for _, top in self.prompt_scores),
+        ]
+        return self._completion_logprobs(
+            [self._piece(t) for t in prompt], values[: len(prompt)], tops[: len(prompt)], 0
+        )
+
+    def _echoes_logprobs(self) -> bool:
+        return self.prepared.echo is not None and self.prepared.params.prompt_logprobs is not None
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special=False)
@@ -243,7 +301,13 @@ class Relay:
                 body["message"] = {"role": "assistant", "content": text}
             else:
                 body["text"] = text
-            body["logprobs"] = self._logprobs(choice, 0, 0)
+            if self._echoes_logprobs():
+                assert self.prepared.echo is not None
+                body["logprobs"] = _joined(
+                    self._prompt_logprobs(), self._logprobs(choice, 0, len(self.prepared.echo))
+                )
+            else:
+                body["logprobs"] = self._logprobs(choice, 0, 0)
             body["finish_reason"] = choice.finish_reason
             choices.append(body)
         return {
@@ -281,11 +345,20 @@ class Relay:
                 for choice in self.choices:
                     role = {"role": "assistant", "content": ""}
                     yield self._event(self._chunk(choice, role, None, None))
-            elif self.prepared.echo:  # the prompt first, as its own chunk per choice
+            elif self.prepared.echo and not self._echoes_logprobs():
+                # The prompt first, as its own chunk per choice.
                 for choice in self.choices:
                     yield self._event(self._chunk(choice, self.prepared.echo, None, None))
             async with aclosing(self.deltas()) as deltas:
                 async for choice, delta, count, finish in deltas:
+                    if self._echoes_logprobs() and not choice.echoed and finish not in _UNFINISHED:
+                        # Its prompt's logprobs came with its first token.
+                        assert self.prepared.echo is not None
+                        echo = self._chunk(
+                            choice, self.prepared.echo, None, self._prompt_logprobs()
+                        )
+                        yield self._event(echo)
+                        choice.echoed, choice.sent_text = True, len(self.prepared.echo)
                     if finish in _UNFINISHED:
                         try:
                             self._raise_if_unfinished()

@@ -323,6 +323,36 @@ def test_http_matches_the_engine(shipped: DaemonProcess, engine: Engine) -> None
     assert reply.choices[0].finish_reason == expected[-1].finish_reason
 
 
+def test_echo_logprobs_are_transformers_prompt_logprobs(
+    shipped: DaemonProcess, model: LoadedModel, oracle: Any
+) -> None:
+    """echo with logprobs over HTTP: each prompt token's logprob and the best
+    alternative's are transformers' log-softmax at that position (a prompt
+    longer than one step's chunk, so it is scored over several steps)."""
+    text = " ".join(PROMPTS * 8)
+    ids = model.tokenizer.encode(text)
+    assert len(ids) > 512  # the shipped max_num_batched_tokens: two chunks
+    with openai.OpenAI(base_url=f"{shipped.url}/v1", api_key=ALICE, max_retries=0) as oai:
+        reply = oai.completions.create(
+            model=MODEL, prompt=text, max_tokens=2, temperature=0, echo=True, logprobs=3
+        )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert logprobs.top_logprobs is not None
+    with torch.no_grad():
+        logits = oracle(torch.tensor([ids])).logits[0].double()
+    expected = torch.log_softmax(logits, dim=-1)
+    want = expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    got = logprobs.token_logprobs[1 : len(ids)]
+    assert logprobs.token_logprobs[0] is None
+    assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 2e-3  # type: ignore[operator]
+    best = expected[: len(ids) - 1].max(dim=-1).values.tolist()
+    tops = logprobs.top_logprobs[1 : len(ids)]
+    assert all(1 <= len(top) <= 3 for top in tops)  # type: ignore[arg-type]  # by text
+    assert max(abs(max(top.values()) - b) for top, b in zip(tops, best, strict=True)) < 2e-3  # type: ignore[union-attr]
+    shipped.wait_pages_released()
+
+
 def test_repeated_prompt_hits_the_cache_for_its_tenant_only(shipped: DaemonProcess) -> None:
     prompt = "Once upon a time, " * 20
 

@@ -200,3 +200,34 @@ def test_choices_survive_preemption_under_a_tight_pool(preemption: str) -> None:
         assert [out[request_id, i] for i in range(3)] == [want] * 3
     stats = scheduler.stats().tenants
     assert sum(s.preempted_recompute + s.preempted_swap for s in stats.values()) > 0
+
+
+def test_a_prompts_own_logprobs_come_with_its_first_token() -> None:
+    """prompt_logprobs: the first choice computes its whole prompt (none of it
+    from the prefix cache, where an earlier request left it), over several
+    chunks, and its first token carries the prompt's scores in order (the
+    simulated executor's: -0.25, the token's own id first); its other
+    choices still share its prompt and carry none; the pool whole after."""
+    scheduler = make()
+    tokens = prompt(3, 30)  # two chunks of at most 16
+    scheduler.submit("warm", "t", tokens, greedy(2))
+    run(scheduler)
+    params = msgspec.structs.replace(greedy(3), prompt_logprobs=2)
+    lead = scheduler.submit("r", "t", tokens, params, n=2)
+    firsts = {}
+    for _ in range(50):
+        for event in scheduler.step():
+            firsts.setdefault(event.choice, event)
+        if len(firsts) == 2 and lead.state is RequestState.FINISHED:
+            break
+    assert lead.cached_tokens == 0
+    scores = firsts[0].prompt
+    assert scores is not None and len(scores) == len(tokens) - 1
+    vocab = LIMITS.vocab_size
+    for token, (logprob, top) in zip(tokens[1:], scores, strict=True):
+        assert logprob == -0.25 and top == ((token, -0.25), ((token + 1) % vocab, -1.25))
+    assert firsts[1].prompt is None
+    assert not scheduler._scoring
+    run(scheduler)
+    scheduler.kv.check_invariants()
+    assert scheduler.kv.pool.num_referenced() == 0

@@ -208,6 +208,50 @@ async def test_echo_puts_the_prompt_before_each_choice(served: Served) -> None:
     await served.assert_whole()
 
 
+async def test_echo_with_logprobs_gives_the_prompts_own(served: Served) -> None:
+    """echo with logprobs: the prompt's tokens come first in the logprobs, the
+    first with none, each other with the executor's score of it and its
+    alternatives; then the output's, offsets running on through the text;
+    every choice the same; streamed as the echo chunk; a prompt already in
+    the prefix cache is computed whole again (its logprobs need its logits);
+    the pool whole after."""
+    oai = client(served)
+    common: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    prompt = tokenizer().encode(LONG_PROMPT)
+    await oai.completions.create(**common, prompt=LONG_PROMPT)  # now in the prefix cache
+    reply = await oai.completions.create(**common, prompt=LONG_PROMPT, echo=True, logprobs=2, n=2)
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
+    details = reply.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == 0
+    for choice in reply.choices:
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.token_logprobs is not None
+        assert logprobs.tokens is not None and logprobs.top_logprobs is not None
+        assert len(logprobs.tokens) == len(prompt) + 3
+        pieces = [tokenizer().decode([t], skip_special=False) for t in prompt]
+        assert logprobs.tokens[: len(prompt)] == pieces
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.token_logprobs[1 : len(prompt)] == [-0.25] * (len(prompt) - 1)
+        for piece, top in zip(pieces[1:], logprobs.top_logprobs[1 : len(prompt)], strict=True):
+            assert top is not None and len(top) == 2 and top[piece] == -0.25
+        offsets = logprobs.text_offset
+        assert offsets is not None and offsets[0] == 0
+        assert offsets[len(prompt)] == len(LONG_PROMPT)  # the output's, after the echo
+        assert choice.text.startswith(LONG_PROMPT)
+    assert reply.choices[0].logprobs == reply.choices[1].logprobs
+    stream = await oai.completions.create(
+        **common, prompt=LONG_PROMPT, echo=True, logprobs=0, stream=True
+    )
+    chunks = [chunk.choices[0] async for chunk in stream]
+    first = chunks[0].logprobs
+    assert chunks[0].text == LONG_PROMPT and first is not None
+    assert first.token_logprobs == [None] + [-0.25] * (len(prompt) - 1)
+    assert first.top_logprobs is None
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs or []]
+    assert len(streamed) == len(prompt) + 3
+    await served.assert_whole()
+
+
 async def test_n_choices(served: Served) -> None:
     """n choices in OpenAI's shapes: greedy ones equal n = 1's, seeded ones
     reproducible and distinct, streamed with their index (each finishing
@@ -423,7 +467,12 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 3, "best_of": 4}, 400, "best_of"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 0}, 400, "echo"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 21},
+        400,
+        "logprobs",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 262144]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, -3]}, 400, "prompt"),
