@@ -179,7 +179,7 @@ class Daemon:
             vocab_size=0,
             max_model_len=config.model.max_model_len,
             tiers=tuple(config.tiers),
-            metrics=Metrics(lambda: self.runtime, self.status),
+            metrics=Metrics(lambda: self.runtime, self.status, config.served_model),
             keys={
                 t.api_key_sha256: TenantAccess(t.name, t.tier or config.tiers[0])
                 for t in config.tenants

@@ -5,6 +5,12 @@ scraped (a collector, so nothing is updated per step). Latency histograms
 (TTFT, inter-token) are observed per tenant by the engine task when it hands
 a step's tokens to their requests, a whole step at a time (one bucket search
 per tenant and step, not a labelled observation per token).
+
+Beside kvd's own names, the model-server protocol that gateways read (GAIE's
+endpoint picker, llm-d's scorers, smg's load policies): vLLM's names, types
+and labels (``model_name``, ``engine``) for queue depth, running requests,
+KV-cache usage and geometry, prefix-cache queries and hits, and the TTFT and
+inter-token histograms with vLLM's buckets.
 """
 
 from __future__ import annotations
@@ -24,6 +30,16 @@ from kvd.server.status import ServerStatus, Status
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# vLLM's own buckets, so a dashboard or a gateway built for vLLM reads these alike.
+VLLM_TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0),
+    *(2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+VLLM_ITL_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0),
+    *(2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+VLLM_LABELS = ["model_name", "engine"]
 
 
 class SchedulerCollector(Collector):
@@ -167,53 +183,162 @@ class SchedulerCollector(Collector):
         yield preempted
 
 
-class TenantHistogram(Collector):
-    """A per-tenant latency histogram observed in bulk: each call files a
-    whole array of values with one bucket search."""
+class BulkHistogram(Collector):
+    """A labelled latency histogram observed in bulk: each call files a whole
+    array of values with one bucket search."""
 
-    def __init__(self, name: str, text: str, buckets: Sequence[float]) -> None:
-        self.name, self.text = name, text
+    def __init__(
+        self, name: str, text: str, buckets: Sequence[float], labels: Sequence[str] = ("tenant",)
+    ) -> None:
+        self.name, self.text, self.labels = name, text, list(labels)
         self.bounds = np.asarray(buckets, np.float64)
-        self._counts: dict[str, np.ndarray[Any, Any]] = {}
-        self._sums: dict[str, float] = {}
+        self._counts: dict[tuple[str, ...], np.ndarray[Any, Any]] = {}
+        self._sums: dict[tuple[str, ...], float] = {}
 
-    def observe(self, tenant: str, values: Sequence[float]) -> None:
+    def observe(self, key: tuple[str, ...], values: Sequence[float]) -> None:
+        """``key``: the label values, in ``labels``' order."""
         if not len(values):
             return
         array = np.asarray(values, np.float64)
-        counts = self._counts.get(tenant)
+        counts = self._counts.get(key)
         if counts is None:
-            counts = self._counts[tenant] = np.zeros(len(self.bounds) + 1, np.int64)
-            self._sums[tenant] = 0.0
+            counts = self._counts[key] = np.zeros(len(self.bounds) + 1, np.int64)
+            self._sums[key] = 0.0
         # Prometheus buckets are "<= bound": the first bound not below the value.
         counts += np.bincount(
             np.searchsorted(self.bounds, array, side="left"), minlength=len(counts)
         )
-        self._sums[tenant] += float(array.sum())
+        self._sums[key] += float(array.sum())
 
     def collect(self) -> Iterator[Any]:
-        family = HistogramMetricFamily(self.name, self.text, labels=["tenant"])
+        family = HistogramMetricFamily(self.name, self.text, labels=self.labels)
         labels = [*(floatToGoString(b) for b in self.bounds), "+Inf"]
-        for tenant, counts in list(self._counts.items()):
+        for key, counts in list(self._counts.items()):
             cumulative = np.cumsum(counts).tolist()
             family.add_metric(
-                [tenant],
-                list(zip(labels, cumulative, strict=True)),
-                sum_value=self._sums[tenant],
+                list(key), list(zip(labels, cumulative, strict=True)), sum_value=self._sums[key]
             )
         yield family
 
 
+class ModelServerCollector(Collector):
+    """vLLM's model-server metrics, read from the runtime's snapshot when
+    scraped. One engine: ``engine="0"``. The cache's geometry is in vLLM's
+    terms: a block is ``block_size`` tokens of every layer (one page per
+    page group here), so ``num_gpu_blocks`` is the pool's pages over its
+    groups; usage counts the pages sequences hold (cached pages nobody holds
+    are free to take, as vLLM's evictable blocks are)."""
+
+    def __init__(self, runtime: Callable[[], Runtime | None], model_name: str) -> None:
+        self.runtime = runtime
+        self.labels = [model_name, "0"]
+
+    def collect(self) -> Iterator[Any]:
+        runtime = self.runtime()
+        if runtime is None:
+            return
+        stats = runtime.snapshot
+        kv = runtime.scheduler.kv
+        layout = kv.layout
+        labels = self.labels
+
+        def gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, text, labels=VLLM_LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, text: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, text, labels=VLLM_LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            stats.running,
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed (queued, or preempted and swapped out).",
+            stats.waiting + stats.swapped,
+        )
+        usage = stats.used_pages / max(1, kv.pool.capacity)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+        yield gauge(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage (vLLM's older name).",
+            usage,
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=[
+                "block_size",
+                "num_gpu_blocks",
+                "cache_dtype",
+                "enable_prefix_caching",
+                "engine",
+            ],
+        )
+        info.add_metric(
+            [
+                str(layout.block_size),
+                str(kv.pool.capacity // layout.num_groups),
+                layout.geometry.dtype,
+                "True",
+                "0",
+            ],
+            1,
+        )
+        yield info
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_query_tokens,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_hit_tokens,
+        )
+        yield counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            stats.preempted_recompute + stats.preempted_swap,
+        )
+
+
 class Metrics:
-    def __init__(self, runtime: Callable[[], Runtime | None], status: ServerStatus) -> None:
+    def __init__(
+        self,
+        runtime: Callable[[], Runtime | None],
+        status: ServerStatus,
+        model_name: str = "kvd",
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(runtime, status))
-        self.ttft = TenantHistogram(
+        self.registry.register(ModelServerCollector(runtime, model_name))
+        self._model_labels = (model_name, "0")
+        self.vllm_ttft = BulkHistogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            VLLM_TTFT_BUCKETS,
+            VLLM_LABELS,
+        )
+        self.vllm_itl = BulkHistogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            VLLM_ITL_BUCKETS,
+            VLLM_LABELS,
+        )
+        self.registry.register(self.vllm_ttft)
+        self.registry.register(self.vllm_itl)
+        self.ttft = BulkHistogram(
             "kvd_time_to_first_token_seconds",
             "Arrival to the first token, when the engine hands it to the request's stream",
             LATENCY_BUCKETS,
         )
-        self.itl = TenantHistogram(
+        self.itl = BulkHistogram(
             "kvd_inter_token_latency_seconds",
             "Time between a request's tokens, as the engine hands them to its stream",
             LATENCY_BUCKETS,
@@ -241,8 +366,10 @@ class Metrics:
         )
 
     def observe_latencies(self, tenant: str, ttft: list[float], itl: list[float]) -> None:
-        self.ttft.observe(tenant, ttft)
-        self.itl.observe(tenant, itl)
+        self.ttft.observe((tenant,), ttft)
+        self.itl.observe((tenant,), itl)
+        self.vllm_ttft.observe(self._model_labels, ttft)
+        self.vllm_itl.observe(self._model_labels, itl)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -671,6 +671,22 @@ async def test_metrics_and_logs(served: Served) -> None:
     assert metrics["kvd_measured_prefill_tokens_per_second"] > 0
     assert metrics['kvd_requests_total{outcome="length",tenant="alice"}'] == 1
     assert metrics['kvd_http_requests_total{route="/v1/completions",status="200"}'] == 1
+    # The model-server protocol gateways read: vLLM's names, types and labels.
+    vllm = f'{{engine="0",model_name="{MODEL}"}}'
+    assert metrics[f"vllm:num_requests_running{vllm}"] == 0
+    assert metrics[f"vllm:num_requests_waiting{vllm}"] == 0
+    assert metrics[f"vllm:kv_cache_usage_perc{vllm}"] == 0.0  # nothing held after
+    assert metrics[f"vllm:gpu_cache_usage_perc{vllm}"] == 0.0
+    assert metrics[f"vllm:prefix_cache_queries_total{vllm}"] >= 2  # "Hello there" and BOS
+    assert metrics[f"vllm:prefix_cache_hits_total{vllm}"] >= 0
+    assert metrics[f"vllm:time_to_first_token_seconds_count{vllm}"] == 1
+    assert metrics[f"vllm:inter_token_latency_seconds_count{vllm}"] == 2
+    info = [k for k in metrics if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and metrics[info[0]] == 1
+    capacity = metrics["kvd_pool_capacity_pages"]
+    assert 'block_size="16"' in info[0] and 'enable_prefix_caching="True"' in info[0]
+    blocks = int(info[0].split('num_gpu_blocks="')[1].split('"')[0])
+    assert 0 < blocks <= capacity
     finish = served.named("request.finish")[-1]
     assert {"request_id", "tenant", "outcome", "ttft_s", "cached_tokens"} <= set(finish)
     assert served.named("request.accepted") and served.named("request.start")
