@@ -24,6 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kvd.kv.manager import KVManager
+from kvd.sched.stats import SchedulerStats
 from kvd.server.runtime import Runtime
 from kvd.server.status import ServerStatus, Status
 
@@ -42,19 +44,27 @@ VLLM_ITL_BUCKETS = (
 VLLM_LABELS = ["model_name", "engine"]
 
 
-class SchedulerCollector(Collector):
+class RuntimeCollector(Collector):
     """Reads the runtime when scraped; nothing while the model is loading."""
 
-    def __init__(self, runtime: Callable[[], Runtime | None], status: ServerStatus) -> None:
+    def __init__(self, runtime: Callable[[], Runtime | None]) -> None:
         self.runtime = runtime
-        self.status = status
 
     def collect(self) -> Iterator[Any]:
         runtime = self.runtime()
-        if runtime is None:
-            return
-        stats = runtime.snapshot
-        kv = runtime.scheduler.kv
+        if runtime is not None:
+            yield from self.families(runtime, runtime.snapshot, runtime.scheduler.kv)
+
+    def families(self, runtime: Runtime, stats: SchedulerStats, kv: KVManager) -> Iterator[Any]:
+        raise NotImplementedError
+
+
+class SchedulerCollector(RuntimeCollector):
+    def __init__(self, runtime: Callable[[], Runtime | None], status: ServerStatus) -> None:
+        super().__init__(runtime)
+        self.status = status
+
+    def families(self, runtime: Runtime, stats: SchedulerStats, kv: KVManager) -> Iterator[Any]:
         pool = GaugeMetricFamily("kvd_pool_pages", "KV pool pages by state", labels=["state"])
         pool.add_metric(["free"], stats.free_pages)
         pool.add_metric(["cached"], stats.cached_pages)
@@ -221,7 +231,7 @@ class BulkHistogram(Collector):
         yield family
 
 
-class ModelServerCollector(Collector):
+class ModelServerCollector(RuntimeCollector):
     """vLLM's model-server metrics, read from the runtime's snapshot when
     scraped. One engine: ``engine="0"``. The cache's geometry is in vLLM's
     terms: a block is ``block_size`` tokens of every layer (one page per
@@ -230,15 +240,10 @@ class ModelServerCollector(Collector):
     are free to take, as vLLM's evictable blocks are)."""
 
     def __init__(self, runtime: Callable[[], Runtime | None], model_name: str) -> None:
-        self.runtime = runtime
+        super().__init__(runtime)
         self.labels = [model_name, "0"]
 
-    def collect(self) -> Iterator[Any]:
-        runtime = self.runtime()
-        if runtime is None:
-            return
-        stats = runtime.snapshot
-        kv = runtime.scheduler.kv
+    def families(self, runtime: Runtime, stats: SchedulerStats, kv: KVManager) -> Iterator[Any]:
         layout = kv.layout
         labels = self.labels
 
