@@ -15,6 +15,7 @@ inter-token histograms with vLLM's buckets.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,8 +56,9 @@ class RuntimeCollector(Collector):
         if runtime is not None:
             yield from self.families(runtime, runtime.snapshot, runtime.scheduler.kv)
 
+    @abstractmethod
     def families(self, runtime: Runtime, stats: SchedulerStats, kv: KVManager) -> Iterator[Any]:
-        raise NotImplementedError
+        """The metric families, from the runtime's latest snapshot."""
 
 
 class SchedulerCollector(RuntimeCollector):
