@@ -16,6 +16,7 @@ from kvd.kv.columns import (
     LENGTH,
     RESIDENT,
 )
+from kvd.kv.events import CPU
 from kvd.kv.prefix import PrefixCache
 from kvd.kv.records import Demand, KVError, PrefixHit
 from kvd.kv.sequence import KVState, Sequence
@@ -203,8 +204,14 @@ class Allocation(PrefixCache):
             seq.tables[g][block] = page
             self.host.copy_in(held, page)
             public = held.public & live if held.public is not None else None
-            if held.public is None or public:
-                self.pool.register(page, key, public or None)
+            registered = (held.public is None or bool(public)) and self.pool.register(
+                page, key, public or None
+            )
+            if self.pool.events is not None:
+                if registered:
+                    self.pool.events.reloaded(key)
+                else:  # left the host tier, not findable on the device
+                    self.pool.events.removed(key, CPU)
 
     def extend_decodes(
         self,

@@ -34,7 +34,7 @@ from collections import OrderedDict
 
 import msgspec
 
-CacheKey = tuple[int, bytes]  # (page group, block hash): the prefix cache's key on both tiers
+from kvd.kv.events import CPU, CacheKey, KVEventLog
 
 
 class HostBlock(msgspec.Struct):
@@ -73,6 +73,7 @@ class HostTier:
         # In the order they were decided: a page reloaded and then evicted
         # again in one step must be copied in before it is copied out.
         self._copies: list[HostCopy] = []
+        self.events: KVEventLog | None = None  # told of the blocks dropped
 
     @property
     def enabled(self) -> bool:
@@ -149,6 +150,8 @@ class HostTier:
         self._uncharge(block, key)
         self._free_slot(block.slot)
         self.evictions += 1
+        if self.events is not None:
+            self.events.removed(key, CPU)
 
     def _free_slot(self, slot: int) -> None:
         # Its data goes (in order: a copy out queued earlier becomes moot, one

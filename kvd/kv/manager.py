@@ -34,6 +34,9 @@ checks the whole. This module adds live configuration and reporting.
 
 from __future__ import annotations
 
+from kvd.kv.events import CPU, FULL_ATTENTION, GPU, SLIDING_WINDOW, GroupSpec, KVEventLog
+from kvd.kv.events import PrivateBlocks as PrivateBlocks
+from kvd.kv.geometry import AttentionKind
 from kvd.kv.invariants import check_invariants
 from kvd.kv.layout import PageLayout
 from kvd.kv.ledger import BudgetMode, TenantBudget
@@ -70,6 +73,20 @@ class KVManager(Swapping):
         self.pool.host = self.host if pages > 0 else None
         if not pages:
             self.host.drop_where()
+
+    def enable_events(self, private_blocks: PrivateBlocks = PrivateBlocks.TOKEN_IDS) -> KVEventLog:
+        """Log every block either tier starts or stops holding, as KV events
+        (``kvd.kv.events``), from an empty cache: call it before any block is
+        cached, or a subscriber misses those already held."""
+        groups = [
+            GroupSpec(SLIDING_WINDOW, g.window)
+            if g.kind is AttentionKind.SLIDING
+            else GroupSpec(FULL_ATTENTION)
+            for g in self.layout.groups
+        ]
+        log = KVEventLog(self.block_size, groups, private_blocks)
+        self.pool.events = self.host.events = log
+        return log
 
     def set_host_quota(self, name: str, pages: int | None) -> int:
         """Most host-tier pages ``name``'s blocks may hold (None: the whole
@@ -143,3 +160,7 @@ class KVManager(Swapping):
         check_invariants(self)
         self.host.check_invariants()
         assert not self.host.blocks.keys() & self.pool.index.keys(), "a block on both tiers"
+        events = self.pool.events
+        if events is not None:  # what subscribers were told is what the tiers hold
+            assert events.held(GPU) == self.pool.index.keys(), "events disagree with the pool"
+            assert events.held(CPU) == self.host.blocks.keys(), "events disagree with the host"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvd.kv.events import GPU, KVEventLog
 from kvd.kv.hosttier import CacheKey, HostTier
 from kvd.kv.ledger import SHARED_ACCOUNT, Ledger
 
@@ -50,6 +51,7 @@ class PagePool:
         # account that paid for it when it was registered.
         self.owner: list[str | None] = [None] * num_pages
         self.host: HostTier | None = None  # where evicted cached pages go, if anywhere
+        self.events: KVEventLog | None = None  # told what the cache holds, if anyone listens
 
     @property
     def capacity(self) -> int:
@@ -83,7 +85,9 @@ class PagePool:
                 if self.host is not None and key is not None:
                     owner = self.owner[page]
                     assert owner is not None
-                    self.host.offer(key, page, owner, self.public[page])
+                    kept = self.host.offer(key, page, owner, self.public[page])
+                    if kept and self.events is not None:
+                        self.events.offloaded(key)
                 self._forget(page)
             self.ref[page] = 1
             self.holders[page] = {account: 1}
@@ -198,6 +202,8 @@ class PagePool:
             self.key[page] = None
             self.public[page] = None
             self.evictions += 1
+            if self.events is not None:
+                self.events.removed(key, GPU)
 
     def flush(self) -> int:
         """Forget every cached page nobody references; returns how many."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Container
 
 from kvd.kv.core import KVCore
+from kvd.kv.events import KVEventLog
 from kvd.kv.records import KVError, PrefixHit
 from kvd.kv.scope import Scope, chain_hashes, resolve_scope
 from kvd.kv.sequence import KVState, Sequence
@@ -117,13 +118,14 @@ class PrefixCache(KVCore):
         scope = seq.scope if seq.scope is not None else self._ensure_scope(seq)
         hashes = self._extend_hashes(seq, stop)
         register = self.pool.register
+        events = self.pool.events
         if not scope.public_matches:  # no public prefix in this chain: every page stays private
             for block in range(start, stop):
                 key_hash = hashes[block]
                 for g, table in enumerate(seq.tables):
                     page = table[block]
-                    if page:
-                        register(page, (g, key_hash), None)
+                    if page and register(page, (g, key_hash), None) and events is not None:
+                        self._tell_stored(events, seq, hashes, block, g)
             return
         live = self.public.live_ids() if scope.public_blocks > start else frozenset()
         for block in range(start, stop):
@@ -137,8 +139,20 @@ class PrefixCache(KVCore):
             key_hash = hashes[block]
             for g, table in enumerate(seq.tables):
                 page = table[block]
-                if page:
-                    register(page, (g, key_hash), public)
+                if page and register(page, (g, key_hash), public) and events is not None:
+                    self._tell_stored(events, seq, hashes, block, g)
+
+    def _tell_stored(
+        self, events: KVEventLog, seq: Sequence, hashes: list[bytes], block: int, group: int
+    ) -> None:
+        assert seq.scope is not None
+        size = self.block_size
+        events.stored(
+            (group, hashes[block]),
+            hashes[block - 1] if block else None,
+            seq.tokens[block * size : (block + 1) * size],
+            seq.scope.of_block(block),
+        )
 
 
 class _Either:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvd.kv.events import PrivateBlocks
 from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.ledger import BudgetMode, tenant_name_problem
 from kvd.kv.scope import SharingPolicy
@@ -95,6 +96,21 @@ class SharingSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     policy: SharingPolicy = SharingPolicy.PUBLIC
 
 
+class KVEventsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """KV-cache events for an inference gateway, in vLLM's format and
+    transport (docs/scale-out.md): a ZMQ PUB socket, a ROUTER for replays."""
+
+    enable: bool = False
+    # Bound (tcp://*:5557, ipc://, a wildcard host) or connected to (a
+    # gateway's own socket, tcp://host:5557), as vLLM decides.
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # a ROUTER, always bound; None: no replays
+    topic: str = ""  # the first frame of every message
+    buffer_steps: int = 10_000  # batches kept for replays
+    max_queue: int = 10_000  # batches waiting for the publisher thread; past it, a resync
+    private_blocks: PrivateBlocks = PrivateBlocks.TOKEN_IDS
+
+
 class PrefixEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     text: str | None = None  # tokenized like a prompt (with BOS)
@@ -124,6 +140,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     budget: BudgetSection = BudgetSection()
     scheduler: SchedulerSection = SchedulerSection()
     sharing: SharingSection = SharingSection()
+    kv_events: KVEventsSection = KVEventsSection()
     tiers: list[str] = msgspec.field(default_factory=lambda: ["interactive", "batch"])
     prefixes: list[PrefixEntry] = msgspec.field(default_factory=list)
     tenants: list[TenantEntry] = msgspec.field(default_factory=list)
@@ -215,6 +232,7 @@ def validate(config: Config) -> None:
     _size("scheduler.swap_space", config.scheduler.swap_space)
     if config.budget.preemption not in ("auto", "recompute", "swap"):
         raise ConfigError("budget.preemption: must be 'auto', 'recompute' or 'swap'")
+    _kv_events(config.kv_events)
     if not config.tiers or len(set(config.tiers)) != len(config.tiers):
         raise ConfigError("tiers: must be a non-empty list of distinct names")
     names: set[str] = set()
@@ -259,6 +277,23 @@ def validate(config: Config) -> None:
             _share(f"{where}.host_quota", tenant.host_quota)
     if not config.tenants:
         raise ConfigError("tenants: at least one tenant is needed to serve anyone")
+
+
+_ZMQ_ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://\S+|inproc://\S+)")
+
+
+def _kv_events(section: KVEventsSection) -> None:
+    for key in ("endpoint", "replay_endpoint"):
+        value = getattr(section, key)
+        if value is not None and not _ZMQ_ENDPOINT.fullmatch(value):
+            raise ConfigError(
+                f"kv_events.{key}: {value!r} is not a ZMQ endpoint "
+                "(tcp://HOST:PORT, ipc://PATH or inproc://NAME)"
+            )
+    if section.replay_endpoint == section.endpoint and not section.endpoint.endswith(":*"):
+        raise ConfigError("kv_events.replay_endpoint: must differ from kv_events.endpoint")
+    _positive("kv_events.buffer_steps", section.buffer_steps)
+    _positive("kv_events.max_queue", section.max_queue)
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:

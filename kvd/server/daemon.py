@@ -52,6 +52,7 @@ from kvd.server.config import (
     socket_mode,
 )
 from kvd.server.http import create_app, create_metrics_app
+from kvd.server.kvevents import KVEventPublisher
 from kvd.server.metrics import Metrics
 from kvd.server.runtime import Runtime
 from kvd.server.scheduling import Loaded
@@ -199,6 +200,7 @@ class Daemon:
         self.signals = 0
         self.clean = False  # every request ended and its pages were released
         self.failure: str | None = None  # why the engine failed
+        self.kv_events: KVEventPublisher | None = None
 
     async def run(self) -> int:
         """Serve until a signal; returns the exit status."""
@@ -250,6 +252,32 @@ class Daemon:
         return saved
 
     async def _serve(self, saved: Any) -> None:
+        self.open_kv_events()  # first: a bad endpoint fails the start at once
+        try:
+            await self._serve_until_stopped(saved)
+        finally:
+            self.close_kv_events()
+
+    def open_kv_events(self) -> None:
+        """The KV-event sockets, if ``[kv_events]`` enables them (KVEventsError
+        if they cannot be opened); events flow once the daemon is live."""
+        section = self.config.kv_events
+        if not section.enable:
+            return
+        self.kv_events = KVEventPublisher(section)
+        self.state.metrics.kv_events = self.kv_events
+        log.info(
+            "lifecycle.kv_events",
+            endpoint=self.kv_events.endpoint,
+            replay_endpoint=self.kv_events.replay_endpoint,
+            private_blocks=section.private_blocks.value,
+        )
+
+    def close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    async def _serve_until_stopped(self, saved: Any) -> None:
         async with trio.open_nursery() as nursery:  # signals, watchdog, the engine task
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(systemd.watchdog, self._alive)
@@ -424,6 +452,11 @@ class Daemon:
         )
         state.tokenizer = loaded.tokenizer
         state.vocab_size = loaded.vocab_size
+        if self.kv_events is not None:
+            kv = loaded.scheduler.kv
+            kv.flush_cache()  # subscribers start from an empty cache (and are told so)
+            self.kv_events.attach(kv.enable_events(self.config.kv_events.private_blocks))
+            runtime.after_change = self.kv_events.offer
         nursery.start_soon(self._run_engine, runtime)
         self.status.ready()
         tenants = {

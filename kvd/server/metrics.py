@@ -27,6 +27,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvd.kv.manager import KVManager
 from kvd.sched.stats import SchedulerStats
+from kvd.server.kvevents import KVEventPublisher
 from kvd.server.runtime import Runtime
 from kvd.server.status import ServerStatus, Status
 
@@ -315,6 +316,43 @@ class ModelServerCollector(RuntimeCollector):
         )
 
 
+class KVEventsCollector(Collector):
+    """The KV-event publisher's counters, once one is attached."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        publisher = self.metrics.kv_events
+        if publisher is None:
+            return
+        log = publisher.events
+        families = (
+            ("kvd_kv_event_batches", "KV-event batches published", publisher.published),
+            (
+                "kvd_kv_event_overflows",
+                "Step batches not queued for the publisher (its queue was full); "
+                "each is followed by a resync of the whole cache",
+                publisher.overflows,
+            ),
+            ("kvd_kv_event_replays", "Replay requests answered", publisher.replays),
+        )
+        for name, text, value in families:
+            yield CounterMetricFamily(name, text, value=value)
+        if log is not None:
+            yield CounterMetricFamily(
+                "kvd_kv_event_blocks_stored", "Blocks told stored (both media)", log.stored_blocks
+            )
+            yield CounterMetricFamily(
+                "kvd_kv_event_blocks_removed",
+                "Blocks told removed (both media)",
+                log.removed_blocks,
+            )
+        yield GaugeMetricFamily(
+            "kvd_kv_event_queue", "Batches waiting for the publisher thread", publisher.queued()
+        )
+
+
 class Metrics:
     def __init__(
         self,
@@ -325,6 +363,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(runtime, status))
         self.registry.register(ModelServerCollector(runtime, model_name))
+        self.kv_events: KVEventPublisher | None = None  # set by the daemon when publishing
+        self.registry.register(KVEventsCollector(self))
         self._model_labels = (model_name, "0")
         self.vllm_ttft = BulkHistogram(
             "vllm:time_to_first_token_seconds",

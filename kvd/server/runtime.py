@@ -124,6 +124,8 @@ class Runtime:
         self._totals = StepTotals(since=clock())
         # Called per tenant and step with its (time to first token, inter-token) values.
         self.latency_sink: Callable[[str, list[float], list[float]], None] | None = None
+        # Called after every step and command: what changed in the cache goes out (KV events).
+        self.after_change: Callable[[], None] | None = None
         # The step's own worker: never queued behind other threads (tokenizing,
         # state file writes), whose wait would count against step_timeout.
         self._step_thread = trio.CapacityLimiter(1)
@@ -340,6 +342,8 @@ class Runtime:
             self._wake = trio.Event()
             while self._inbox:
                 self._inbox.popleft()[0]()
+            if self.after_change is not None:
+                self.after_change()
             if not scheduler.has_work():
                 self._refresh(clock(), force=True)
                 with trio.move_on_after(IDLE_POLL_S):
@@ -350,6 +354,8 @@ class Runtime:
             now = clock()
             self._dispatch(events, now)
             self._log_preemptions()
+            if self.after_change is not None:
+                self.after_change()
             if scheduler.stalled:
                 # Requests wait for pages or budget that only a change (an
                 # admin command, a cancel) or a deadline can bring: no spinning.

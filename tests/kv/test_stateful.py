@@ -36,11 +36,12 @@ from kvd.kv import (
     build_layout,
     plan_eviction,
 )
+from kvd.kv.events import external_hash
 from kvd.kv.eviction import _Simulation
 from kvd.kv.records import Demand
 from kvd.kv.scope import PUBLIC_SCOPE
 from kvd.kv.sequence import Sequence
-from tests.kv.conftest import BLOCK, tiny_geometry
+from tests.kv.conftest import BLOCK, Subscriber, tiny_geometry
 
 TENANTS = ("a", "b", "c")
 SALTS = (None, "s1")
@@ -58,6 +59,9 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.set_tenant("a", TenantBudget(reservation=9))
         self.kv.set_tenant("b", TenantBudget(reservation=6, cap=20))
         self.kv.set_tenant("c", TenantBudget())
+        # Every change is told as a KV event; ``whole`` replays them as a gateway would.
+        self.events = self.kv.enable_events()
+        self.subscriber = Subscriber()
         self.next_id = 0
         # (group, hash) -> (scope bytes, tokens up to the block's end) of its producer
         self.produced: dict[tuple[int, bytes], tuple[bytes, tuple[int, ...]]] = {}
@@ -331,6 +335,10 @@ class KVMachine(RuleBasedStateMachine):
     @invariant()
     def whole(self) -> None:
         self.kv.check_invariants()
+        self.subscriber.apply(self.events.take())
+        assert self.subscriber.held("GPU") == {
+            (g, external_hash(h)) for g, h in self.kv.pool.index
+        }, "a subscriber's view of the pool is not the pool"
         ledger = self.kv.ledger
         assert ledger.total_reserved() + ledger.public_bound <= ledger.capacity
         shared = ledger.accounts["@shared"].used

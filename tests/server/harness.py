@@ -263,6 +263,7 @@ async def serving(
         exit_process=exits.append,
     )
     with structlog.testing.capture_logs() as logs:
+        daemon.open_kv_events()
         saved = daemon.restore()
         threaded = _threaded_steps.set(step_in_thread)
         try:
@@ -291,3 +292,4 @@ async def serving(
                     executor.unhang.set()
                 daemon._http_stopped.set()
                 nursery.cancel_scope.cancel()
+                daemon.close_kv_events()

@@ -1,0 +1,278 @@
+"""KV-cache events: what the prefix cache holds, told to an inference
+gateway in vLLM's event format (``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``), so a cache-aware router can send a request to the
+replica that already holds its prefix.
+
+The pool and the host tier report every block that becomes findable in
+either tier and every block that stops being findable; this log turns those
+reports into events, in the order they happened, for the caller (the
+daemon's publisher) to take once per step. Nothing here does I/O.
+
+Tenancy: a block's key is scoped by tenant and ``cache_salt``
+(``kvd.kv.scope``), so two tenants' blocks with the same tokens are two
+blocks. A router that matched on token ids alone would believe bob can hit
+alice's blocks; so each stored block carries its scope in ``extra_keys``, as
+vLLM carries ``cache_salt``: ``("tenant", name, salt)`` (or ``("shared",
+salt)`` under the shared policy) for a private block, ``None`` for a block of
+an operator-declared public prefix, which every tenant may hit. How much a
+private block's event reveals is the operator's choice (``PrivateBlocks``).
+
+Block hashes go out as 63-bit integers taken from kvd's keyed 32-byte hashes
+(decoders type them as int64 or uint64; both hold these), stable for the
+process's life: the keyed hash's secret never leaves it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvd.kv.scope import PUBLIC_SCOPE
+
+CacheKey = tuple[int, bytes]  # (page group, block hash): the prefix cache's key on both tiers
+
+GPU, CPU = "GPU", "CPU"  # vLLM's medium names: the device pool, the host tier
+FULL_ATTENTION, SLIDING_WINDOW = "full_attention", "sliding_window"
+
+
+class PrivateBlocks(enum.StrEnum):
+    """What a private block's event tells the gateway.
+
+    - ``token_ids``: everything (tokens, hashes, scope): a router can index the
+      block by content and route a request of the same tenant to it;
+    - ``hashes``: the hashes and scope without tokens: a router learns how
+      much this replica holds for whom, not what;
+    - ``none``: no event at all: only public-prefix blocks are told.
+    """
+
+    TOKEN_IDS = "token_ids"
+    HASHES = "hashes"
+    NONE = "none"
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """vLLM's event base: each encodes as a map tagged by ``"type"``."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    """One published message: ``[ts, events, data_parallel_rank]``."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = 0
+
+
+def external_hash(block_hash: bytes) -> int:
+    """The 63-bit integer a block's hash is published as."""
+    return int.from_bytes(block_hash[:8], "big") >> 1
+
+
+class GroupSpec(msgspec.Struct, frozen=True):
+    """A page group as the events describe it."""
+
+    kind: str  # FULL_ATTENTION or SLIDING_WINDOW
+    sliding_window: int | None = None
+
+
+class _Meta(msgspec.Struct, gc=False):
+    """What a stored block's event said, kept while either tier holds it (a
+    block moving to the host tier, or a resync, tells it again)."""
+
+    parent: bytes | None
+    tokens: tuple[int, ...]
+    extra: tuple[Any, ...] | None
+    private: bool
+    media: int = 0  # bit 1: on the device, bit 2: on the host tier
+
+
+_MEDIUM_BIT = {GPU: 1, CPU: 2}
+
+
+def scope_key(scope: bytes) -> tuple[Any, ...] | None:
+    """A block's ``extra_keys`` entry: its scope decoded, None if public."""
+    if scope == PUBLIC_SCOPE:
+        return None
+    return tuple(msgspec.msgpack.decode(scope))
+
+
+class KVEventLog:
+    """Collects the cache's changes as events until the caller takes them."""
+
+    def __init__(
+        self,
+        block_size: int,
+        groups: Sequence[GroupSpec],
+        private_blocks: PrivateBlocks = PrivateBlocks.TOKEN_IDS,
+    ) -> None:
+        self.block_size = block_size
+        self.groups = tuple(groups)
+        self.private_blocks = PrivateBlocks(private_blocks)
+        self._meta: dict[CacheKey, _Meta] = {}
+        self._events: list[Event] = [AllBlocksCleared()]  # a subscriber starts from nothing
+        self.stored_blocks = 0  # ever, both media (the metrics' counters)
+        self.removed_blocks = 0
+
+    # -- the cache's reports ---------------------------------------------------------
+
+    def stored(
+        self,
+        key: CacheKey,
+        parent: bytes | None,
+        tokens: Sequence[int],
+        scope: bytes,
+    ) -> None:
+        """A computed block became findable on the device."""
+        meta = self._meta.get(key)
+        if meta is None:
+            extra = scope_key(scope)
+            meta = _Meta(parent, tuple(tokens), extra, extra is not None)
+            self._meta[key] = meta
+        self._add(key, meta, GPU)
+
+    def offloaded(self, key: CacheKey) -> None:
+        """The host tier kept a copy of a block the device evicted."""
+        meta = self._meta.get(key)
+        if meta is not None:
+            self._add(key, meta, CPU)
+
+    def reloaded(self, key: CacheKey) -> None:
+        """A block of the host tier was copied back and is findable on the
+        device again (and no longer on the host)."""
+        meta = self._meta.get(key)
+        if meta is not None:
+            self._add(key, meta, GPU)
+            self.removed(key, CPU)
+
+    def removed(self, key: CacheKey, medium: str) -> None:
+        """A block stopped being findable in ``medium``."""
+        meta = self._meta.get(key)
+        if meta is None:
+            return
+        bit = _MEDIUM_BIT[medium]
+        if not meta.media & bit:
+            return
+        meta.media &= ~bit
+        if not meta.media:
+            del self._meta[key]
+        if meta.private and self.private_blocks is PrivateBlocks.NONE:
+            return
+        self.removed_blocks += 1
+        group, block_hash = key
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved) and last.medium == medium and last.group_idx == group:
+            last.block_hashes.append(external_hash(block_hash))
+            return
+        self._events.append(BlockRemoved([external_hash(block_hash)], medium, group))
+
+    def _add(self, key: CacheKey, meta: _Meta, medium: str) -> None:
+        bit = _MEDIUM_BIT[medium]
+        if meta.media & bit:
+            return
+        meta.media |= bit
+        if meta.private and self.private_blocks is PrivateBlocks.NONE:
+            return
+        self.stored_blocks += 1
+        self._tell_stored(key, meta, medium)
+
+    def _tell_stored(self, key: CacheKey, meta: _Meta, medium: str) -> None:
+        """A ``BlockStored`` for the block, or the block added to the last
+        event if it continues that event's chain (one event per run, as vLLM
+        sends a computed run of blocks)."""
+        group, block_hash = key
+        with_tokens = not meta.private or self.private_blocks is PrivateBlocks.TOKEN_IDS
+        parent = external_hash(meta.parent) if meta.parent is not None else None
+        last = self._events[-1] if self._events else None
+        if (
+            isinstance(last, BlockStored)
+            and last.medium == medium
+            and last.group_idx == group
+            and last.block_hashes
+            and last.block_hashes[-1] == parent
+            and bool(last.token_ids) == (with_tokens and bool(meta.tokens))
+        ):
+            last.block_hashes.append(external_hash(block_hash))
+            if with_tokens:
+                last.token_ids.extend(meta.tokens)
+            assert last.extra_keys is not None
+            last.extra_keys.append(meta.extra)
+            return
+        spec = self.groups[group] if group < len(self.groups) else GroupSpec(FULL_ATTENTION)
+        self._events.append(
+            BlockStored(
+                block_hashes=[external_hash(block_hash)],
+                parent_block_hash=parent,
+                token_ids=list(meta.tokens) if with_tokens else [],
+                block_size=self.block_size,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+                extra_keys=[meta.extra],
+                group_idx=group,
+                kv_cache_spec_kind=spec.kind,
+                kv_cache_spec_sliding_window=spec.sliding_window,
+            )
+        )
+
+    # -- the caller's side -----------------------------------------------------------
+
+    def take(self) -> list[Event]:
+        """The events since the last call, in order."""
+        events, self._events = self._events, []
+        # The last event may still be extended: a new list starts a new event.
+        return events
+
+    def pending(self) -> bool:
+        return bool(self._events)
+
+    def resync(self) -> list[Event]:
+        """Everything held now, from scratch: ``AllBlocksCleared`` then every
+        block of either tier (for a subscriber that lost events). Replaces
+        whatever was pending, which it includes."""
+        self._events = [AllBlocksCleared()]
+        for key, meta in self._meta.items():
+            for medium, bit in _MEDIUM_BIT.items():
+                if meta.media & bit and not (
+                    meta.private and self.private_blocks is PrivateBlocks.NONE
+                ):
+                    self._tell_stored(key, meta, medium)
+        return self.take()
+
+    def held(self, medium: str) -> set[CacheKey]:
+        """Keys this log believes ``medium`` holds (checked against the tiers)."""
+        bit = _MEDIUM_BIT[medium]
+        return {key for key, meta in self._meta.items() if meta.media & bit}
+
+
+def batch(events: list[Event], rank: int = 0) -> EventBatch:
+    return EventBatch(time.time(), events, rank)
