@@ -444,6 +444,43 @@ def bench_scheduler(running: str, steps: int, no_crossover: bool, as_json: bool)
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
+@bench.command("fleet")
+@click.option("--replicas", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--policy", "policies", default="round_robin,cache_aware", show_default=True,
+    help="smg routing policies to compare, comma-separated.",
+)  # fmt: skip
+@click.option("--clients", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--quick", is_flag=True, help="The tiny random model: a smoke run.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_fleet(replicas: int, policies: str, clients: int, quick: bool, as_json: bool) -> None:
+    """Replicas behind a real gateway (smg): prefix-cache hits, TTFT, tokens/s per policy."""
+    from kvd.bench.fleet import render, run_fleet_bench
+
+    chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
+    if not chosen:
+        raise click.BadParameter("name at least one policy", param_hint="--policy")
+    report = run_fleet_bench(
+        replicas, chosen, clients, quick=quick, say=lambda text: click.echo(text, err=True)
+    )
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
+@bench.command("kv-events")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--requests", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--quick", is_flag=True, help="The tiny random model: a smoke run.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_kv_events(rounds: int, requests: int, quick: bool, as_json: bool) -> None:
+    """Step time with KV events off and on (published over ZMQ to a subscriber)."""
+    from kvd.bench.kvevents import render, run_kv_events_bench
+
+    report = run_kv_events_bench(
+        rounds, requests, quick=quick, say=lambda text: click.echo(text, err=True)
+    )
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
 @bench.command("startup")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_startup(as_json: bool) -> None:

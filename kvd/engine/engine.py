@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import msgspec
 import numpy as np
+import structlog
 
 from kvd import faults
 from kvd.engine import compile_cache
@@ -538,8 +539,11 @@ class Engine:
             # this a disk read on a restart).
             program = jitted.lower(*args, **static).compile()
             self._programs[key] = program
-            if self._warm:
+            if self._warm:  # a shape no bucket covers: a bug worth an operator's eye
                 self.late_compiles += 1
+                structlog.get_logger("kvd.engine").warning(
+                    "engine.late_compile", program=key[0], shape=list(key[1:])
+                )
         return program
 
     def warm_up(self, progress: Progress | None = None) -> float:

@@ -7,8 +7,11 @@ request.accepted (the API took it), request.start (the scheduler started
 it: queue steps and seconds, cached tokens), request.finish,
 request.refused, request.failed (a fault of its own), request.error (a
 handler's bug), tenant.rate_limited, kv.preempt, kv.copy_failed,
-engine.step, engine.failed, engine.compile_cache_unusable,
-engine.compile_cache_entry_dropped, admin.audit, admin.socket_lost,
+engine.step, engine.failed, engine.late_compile (a program compiled
+after warm-up: a shape no bucket covers), engine.compile_cache_unusable,
+engine.compile_cache_entry_dropped, kv_events.resync (the publisher's
+queue was full), kv_events.send_failed, kv_events.bad_replay_request,
+lifecycle.kv_events, admin.audit, admin.socket_lost,
 admin.socket_restored, admin.socket_rebind_failed. Prompt and completion
 text appear only when ``server.log_prompts`` is on.
 """

@@ -1,13 +1,14 @@
-"""End to end on the real Gemma 3 270M (the embedded default): one
-in-process engine, checked token for token against transformers loaded from
-the same GGUF file, and one daemon on the shipped configuration, checked
-against that engine over HTTP and with the README's examples word for word.
+"""End to end on the real Gemma 3 270M (the embedded default): one daemon
+on the shipped configuration, checked over HTTP token for token against
+transformers loaded from the same GGUF file, and with the README's examples
+word for word.
 
 The daemon is the shipped ``etc/kvd.toml`` as an operator installs it (the
 embedded 270M, ``pool.size = "auto"``), with only its addresses and paths
 swapped for temporary ones. It is started first and compiles in its own
-process while this one loads the engine and the oracle; every test of the
-module shares the two (compiled shapes are reused across tests).
+process while this one loads the oracle; every test of the module shares
+the two. The last test checks that nothing the others sent made the daemon
+compile after its warm-up.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import tomllib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +31,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvd.engine.batching import sliding_ring  # noqa: E402
-from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
-from kvd.engine.loader import LoadedModel, embedded_gguf_path, load_model  # noqa: E402
-from kvd.engine.sampling import SamplingParams  # noqa: E402
-from kvd.engine.tokenizer import ChatMessage, StreamDecoder  # noqa: E402
-from kvd.sched.batch import BatchGenerator  # noqa: E402
+from kvd.engine.loader import embedded_gguf_path, embedded_tokenizer  # noqa: E402
+from kvd.engine.tokenizer import ChatMessage, StreamDecoder, Tokenizer  # noqa: E402
+from kvd.kv.geometry import preset  # noqa: E402
+from kvd.kv.layout import build_layout  # noqa: E402
 from kvd.server.config import load_config  # noqa: E402
 from tests.server.conftest import ALICE, BOB, DaemonProcess, digest  # noqa: E402
 
@@ -96,30 +97,13 @@ def shipped(shipped_process: DaemonProcess) -> DaemonProcess:
 
 
 @pytest.fixture(scope="module")
-def model(shipped_process: DaemonProcess) -> LoadedModel:
-    """The model in this process (the daemon compiles meanwhile)."""
-    return load_model(MODEL, "float32")
+def tokenizer(shipped_process: DaemonProcess) -> Tokenizer:
+    """The embedded model's tokenizer (the daemon compiles meanwhile)."""
+    return embedded_tokenizer()
 
 
 @pytest.fixture(scope="module")
-def engine(model: LoadedModel) -> Engine:
-    config = EngineConfig(
-        max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, pool_tokens=4096
-    )
-    engine = Engine(model, config)
-    engine.warm_up()
-    return engine
-
-
-@pytest.fixture(scope="module")
-def generator(engine: Engine) -> BatchGenerator:
-    """The engine's prompts run through the scheduler, one KV manager for the
-    module (so prefix-cache tests see what earlier calls cached)."""
-    return BatchGenerator(engine)
-
-
-@pytest.fixture(scope="module")
-def oracle(model: LoadedModel) -> Any:
+def oracle(tokenizer: Tokenizer) -> Any:
     gguf = embedded_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
@@ -128,86 +112,106 @@ def oracle(model: LoadedModel) -> Any:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(model: LoadedModel) -> Any:
+def hf_tokenizer(tokenizer: Tokenizer) -> Any:
     gguf = embedded_gguf_path()
     return transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
-def greedy(n: int = NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n)
+def client(daemon: DaemonProcess, key: str = ALICE) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key=key, max_retries=0)
 
 
-# -- the engine against transformers -----------------------------------------------------
+def complete_all(daemon: DaemonProcess, prompts: list[Any], **body: Any) -> list[Any]:
+    """Completions sent at once (the daemon batches them, ragged)."""
+    with client(daemon) as oai, ThreadPoolExecutor(len(prompts)) as pool:
+        return list(
+            pool.map(lambda p: oai.completions.create(model=MODEL, prompt=p, **body), prompts)
+        )
+
+
+def hf_greedy(oracle: Any, prompt: list[int], new: int) -> list[int]:
+    with torch.no_grad():
+        out = oracle.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
+
+
+# -- the daemon against transformers ------------------------------------------------------
 
 
 def test_greedy_matches_transformers_token_for_token(
-    generator: BatchGenerator, model: LoadedModel, oracle: Any
+    shipped: DaemonProcess, tokenizer: Tokenizer, oracle: Any
 ) -> None:
-    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
-    ours = generator.generate(prompts, [greedy()] * len(prompts))  # ragged, batched together
-    for prompt, result in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            out = oracle.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
-            )
-        expected = out[0, len(prompt) :].tolist()
-        got = result.completion_ids
-        assert got == expected[: len(got)], model.tokenizer.decode(prompt)
-        assert len(got) == NEW_TOKENS or result.finish_reason == "stop"
-    generator.kv.check_invariants()
-    assert generator.kv.pool.num_referenced() == 0
+    """Eight prompts at once (one ragged batch) and a chat: each greedy
+    completion is transformers' greedy continuation; streamed, the same."""
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    replies = complete_all(shipped, prompts, max_tokens=NEW_TOKENS, temperature=0)
+    for prompt, reply in zip(prompts, replies, strict=True):
+        usage = reply.usage
+        expected = hf_greedy(oracle, prompt, NEW_TOKENS)[: usage.completion_tokens]
+        assert reply.choices[0].text == tokenizer.decode(expected), tokenizer.decode(prompt)
+        assert usage.completion_tokens == NEW_TOKENS or reply.choices[0].finish_reason == "stop"
+    with client(shipped) as oai:
+        streamed = oai.completions.create(
+            model=MODEL, prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in streamed) == replies[1].choices[0].text
+        chat = oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": HAIKU}],
+            max_tokens=HTTP_TOKENS,
+            temperature=0,
+        )
+    ids = tokenizer.chat_prompt([ChatMessage("user", HAIKU)])
+    expected = hf_greedy(oracle, ids, HTTP_TOKENS)
+    assert chat.usage is not None
+    got = expected[: chat.usage.completion_tokens]
+    assert chat.choices[0].message.content == tokenizer.decode(got)
+    shipped.wait_pages_released()
 
 
-def test_batch_and_prefix_cache_invariance(generator: BatchGenerator, model: LoadedModel) -> None:
-    tok = model.tokenizer
-    base = tok.encode("The history of the printing press begins in")
-    alone = generator.generate([base], [greedy()])[0].completion_ids
-    others = [tok.encode(p) for p in PROMPTS[:5]]
-    mixed = generator.generate([*others[:2], base, *others[2:]], [greedy()] * 6)
-    assert mixed[2].completion_ids == alone
-    generator.kv.flush_cache()
-    long_prompt = base + alone[:20]  # 30 tokens: its first blocks are cached after this run
-    computed = generator.generate([long_prompt], [greedy(16)])[0]
-    assert computed.cached_tokens == 0
-    cached = generator.generate([long_prompt], [greedy(16)])[0]
-    assert cached.cached_tokens > 0
-    assert cached.completion_ids == computed.completion_ids
-    assert alone[20:36] == computed.completion_ids[: len(alone[20:36])]
-
-
-def test_no_compilation_after_warm_up(
-    engine: Engine, generator: BatchGenerator, model: LoadedModel
-) -> None:
-    compiled = engine.compiled_shapes()
-    tok = model.tokenizer
-    prompts = [tok.encode(p * k) for k, p in enumerate(PROMPTS[:7], 1)]
-    params = [
-        greedy(5),
-        SamplingParams(temperature=0.8, seed=1, max_tokens=9),
-        SamplingParams(temperature=1.0, top_k=5, seed=2, max_tokens=3),
-        SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=12),
-        greedy(1),
-        SamplingParams(temperature=1.2, top_k=40, top_p=0.95, max_tokens=7),
-        greedy(20),
-    ]
-    for count in (1, 3, 7):
-        generator.generate(prompts[:count], params[:count])
-    assert engine.compiled_shapes() == compiled
-    assert engine.late_compiles == 0
-
-
-def test_seeded_sampling_is_reproducible(generator: BatchGenerator, model: LoadedModel) -> None:
-    prompt = model.tokenizer.encode("My favourite animal is the")
-    a = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, logprobs=True)
-    b = SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=12)
-    first, second, other = generator.generate([prompt] * 3, [a, a, b])
-    assert first.completion_ids == second.completion_ids
-    assert first.completion_ids != other.completion_ids
-    top1 = SamplingParams(temperature=1.0, top_k=1, seed=7, max_tokens=12)
-    assert generator.generate([prompt], [top1])[0].completion_ids == (
-        generator.generate([prompt], [greedy(12)])[0].completion_ids
+def test_batch_and_prefix_cache_invariance(shipped: DaemonProcess, tokenizer: Tokenizer) -> None:
+    """A prompt's greedy text is the same alone, batched with others, and
+    continued from its own cached blocks."""
+    base = tokenizer.encode("The history of the printing press begins in")
+    (alone,) = complete_all(shipped, [base], max_tokens=NEW_TOKENS, temperature=0)
+    others = [tokenizer.encode(p) for p in PROMPTS[:5]]
+    mixed = complete_all(
+        shipped, [*others[:2], base, *others[2:]], max_tokens=NEW_TOKENS, temperature=0
     )
-    assert all(lp <= 0.0 for lp in first.logprobs) and any(lp < 0.0 for lp in first.logprobs)
+    assert mixed[2].choices[0].text == alone.choices[0].text
+    continued = base + tokenizer.encode(alone.choices[0].text, add_bos=False)[:20]
+    flushed = subprocess.run(
+        [sys.executable, "-m", "kvctl.cli", "--socket", str(shipped.admin_socket), "flush"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert flushed.returncode == 0, flushed.stderr
+    first, again = (
+        complete_all(shipped, [continued], max_tokens=16, temperature=0)[0] for _ in range(2)
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].text == first.choices[0].text
+    shipped.wait_pages_released()
+
+
+def test_seeded_sampling_is_reproducible(shipped: DaemonProcess, tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("My favourite animal is the")
+    body = {"temperature": 1.0, "top_p": 0.95, "max_tokens": 12, "logprobs": 0}
+    first, second, other = complete_all(shipped, [prompt] * 3, **body, seed=1234)[:2] + (
+        complete_all(shipped, [prompt], **body, seed=4321)
+    )
+    assert first.choices[0].text == second.choices[0].text
+    assert first.choices[0].text != other.choices[0].text
+    (top1,) = complete_all(
+        shipped, [prompt], max_tokens=12, temperature=1.0, seed=7, extra_body={"top_k": 1}
+    )
+    (greedy,) = complete_all(shipped, [prompt], max_tokens=12, temperature=0)
+    assert top1.choices[0].text == greedy.choices[0].text
+    logprobs = first.choices[0].logprobs.token_logprobs
+    assert all(lp <= 0.0 for lp in logprobs) and any(lp < 0.0 for lp in logprobs)
+    shipped.wait_pages_released()
 
 
 CORPUS = [
@@ -226,15 +230,15 @@ CORPUS = [
 ]
 
 
-def test_tokenizer_matches_transformers(model: LoadedModel, hf_tokenizer: Any) -> None:
+def test_tokenizer_matches_transformers(tokenizer: Tokenizer, hf_tokenizer: Any) -> None:
     for text in CORPUS:
-        assert model.tokenizer.encode(text) == hf_tokenizer.encode(text), repr(text)
-        ids = model.tokenizer.encode(text, add_bos=False)
-        assert model.tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+        assert tokenizer.encode(text) == hf_tokenizer.encode(text), repr(text)
+        ids = tokenizer.encode(text, add_bos=False)
+        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_streaming_decode_equals_whole_decode(model: LoadedModel) -> None:
-    tok = model.tokenizer
+def test_streaming_decode_equals_whole_decode(tokenizer: Tokenizer) -> None:
+    tok = tokenizer
     for text in CORPUS:
         ids = tok.encode(text, add_bos=False)
         stream = StreamDecoder(tok)
@@ -243,8 +247,8 @@ def test_streaming_decode_equals_whole_decode(model: LoadedModel) -> None:
         assert all("\ufffd" not in piece for piece in pieces)
 
 
-def test_chat_format(model: LoadedModel) -> None:
-    tok = model.tokenizer
+def test_chat_format(tokenizer: Tokenizer) -> None:
+    tok = tokenizer
     ids = tok.chat_prompt([ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")])
     text = tok.decode(ids, skip_special=False)
     assert text == (
@@ -253,7 +257,7 @@ def test_chat_format(model: LoadedModel) -> None:
 
 
 def test_long_prompt_matches_transformers(
-    shipped: DaemonProcess, engine: Engine, model: LoadedModel, oracle: Any
+    shipped: DaemonProcess, tokenizer: Tokenizer, oracle: Any
 ) -> None:
     """A prompt of over 2,000 tokens through the shipped daemon, prefilled in
     512-token chunks (its max_num_batched_tokens) through ring tables (the
@@ -263,10 +267,11 @@ def test_long_prompt_matches_transformers(
     config = load_config(REPO / "etc" / "kvd.toml")
     step_tokens, context = config.model.max_num_batched_tokens, config.model.max_model_len
     assert (step_tokens, context) == (512, 4096)
-    ring = sliding_ring(engine.layout, step_tokens)  # the same model and block size
+    layout = build_layout(preset(MODEL), config.pool.block_size)
+    ring = sliding_ring(layout, step_tokens)
     assert 0 < ring < context // config.pool.block_size  # the sliding tables are rings
     text = "".join(f"Item {i}: the square of {i} is {i * i}.\n" for i in range(1, 112))
-    prompt = model.tokenizer.encode(text)
+    prompt = tokenizer.encode(text)
     assert len(prompt) > 2000
     with openai.OpenAI(base_url=f"{shipped.url}/v1", api_key=ALICE, max_retries=0) as oai:
         got = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
@@ -274,12 +279,12 @@ def test_long_prompt_matches_transformers(
     with torch.no_grad():
         out = oracle.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
     expected = out[0, len(prompt) :].tolist()[: got.usage.completion_tokens]
-    assert got.choices[0].text == model.tokenizer.decode(expected)
+    assert got.choices[0].text == tokenizer.decode(expected)
     assert got.usage.completion_tokens == 16 or got.choices[0].finish_reason == "stop"
     shipped.wait_pages_released()
 
 
-# -- the shipped daemon, against the engine and as the README shows it ------------------
+# -- the shipped daemon as the README shows it ------------------
 
 
 def test_the_shipped_config_boots_with_an_auto_pool(shipped: DaemonProcess) -> None:
@@ -292,45 +297,14 @@ def test_the_shipped_config_boots_with_an_auto_pool(shipped: DaemonProcess) -> N
     assert not shipped.named("lifecycle.state_restored")  # a first start
 
 
-def test_http_matches_the_engine(shipped: DaemonProcess, engine: Engine) -> None:
-    """What a client receives over HTTP is token for token what the
-    in-process engine generates for the same prompt."""
-    tokenizer = engine.model.tokenizer
-    prompts = [tokenizer.encode(p) for p in HTTP_PROMPTS]
-    chat = tokenizer.chat_prompt([ChatMessage("user", HAIKU)])
-    expected = BatchGenerator(engine).generate(
-        [*prompts, chat], [greedy(HTTP_TOKENS)] * (len(prompts) + 1)
-    )
-    with openai.OpenAI(base_url=f"{shipped.url}/v1", api_key=ALICE, max_retries=0) as oai:
-        for text, want in zip(HTTP_PROMPTS, expected, strict=False):
-            got = oai.completions.create(
-                model=MODEL, prompt=text, max_tokens=HTTP_TOKENS, temperature=0
-            )
-            assert got.choices[0].text == tokenizer.decode(want.completion_ids)
-            assert got.usage is not None
-            assert got.usage.completion_tokens == len(want.completion_ids)
-            streamed = oai.completions.create(
-                model=MODEL, prompt=text, max_tokens=HTTP_TOKENS, temperature=0, stream=True
-            )
-            assert "".join(c.choices[0].text for c in streamed) == got.choices[0].text
-        reply = oai.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": HAIKU}],
-            max_tokens=HTTP_TOKENS,
-            temperature=0,
-        )
-    assert reply.choices[0].message.content == tokenizer.decode(expected[-1].completion_ids)
-    assert reply.choices[0].finish_reason == expected[-1].finish_reason
-
-
 def test_echo_logprobs_are_transformers_prompt_logprobs(
-    shipped: DaemonProcess, model: LoadedModel, oracle: Any
+    shipped: DaemonProcess, tokenizer: Tokenizer, oracle: Any
 ) -> None:
     """echo with logprobs over HTTP: each prompt token's logprob and the best
     alternative's are transformers' log-softmax at that position (a prompt
     longer than one step's chunk, so it is scored over several steps)."""
     text = " ".join(PROMPTS * 8)
-    ids = model.tokenizer.encode(text)
+    ids = tokenizer.encode(text)
     assert len(ids) > 512  # the shipped max_num_batched_tokens: two chunks
     with openai.OpenAI(base_url=f"{shipped.url}/v1", api_key=ALICE, max_retries=0) as oai:
         reply = oai.completions.create(
@@ -456,3 +430,36 @@ def test_the_readme_python_example_works(shipped: DaemonProcess, tmp_path: Path)
     assert out.returncode == 0, out.stderr
     *words, cached = out.stdout.split()
     assert words and cached.isdigit()
+
+
+def test_nothing_compiled_after_warm_up(shipped: DaemonProcess, tokenizer: Tokenizer) -> None:
+    """After every test above (ragged batches, chunked long prompts, echo
+    scoring, structured output, sampling of every kind) and a last mix of
+    lengths and sampling parameters at once, the daemon never compiled a
+    program its warm-up had not."""
+    prompts = [tokenizer.encode(p * k) for k, p in enumerate(PROMPTS[:7], 1)]
+    bodies = [
+        {"temperature": 0, "max_tokens": 5},
+        {"temperature": 0.8, "seed": 1, "max_tokens": 9},
+        {"temperature": 1.0, "extra_body": {"top_k": 5}, "seed": 2, "max_tokens": 3},
+        {"temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 12, "logprobs": 2},
+        {"temperature": 0, "max_tokens": 1, "frequency_penalty": 0.5},
+        {
+            "temperature": 1.2,
+            "top_p": 0.95,
+            "max_tokens": 7,
+            "extra_body": {"top_k": 40, "min_p": 0.05},
+        },
+        {"temperature": 0, "max_tokens": 20, "logit_bias": {"1000": 5}},
+    ]
+    with client(shipped) as oai, ThreadPoolExecutor(len(prompts)) as pool:
+        list(
+            pool.map(
+                lambda pb: oai.completions.create(model=MODEL, prompt=pb[0], **pb[1]),
+                zip(prompts, bodies, strict=True),
+            )
+        )
+    shipped.wait_pages_released()
+    ready = shipped.wait_for("lifecycle.warm")
+    assert ready["programs"] > 0
+    assert not shipped.named("engine.late_compile"), shipped.named("engine.late_compile")
