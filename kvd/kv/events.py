@@ -140,6 +140,8 @@ class KVEventLog:
         self.private_blocks = PrivateBlocks(private_blocks)
         self._meta: dict[CacheKey, _Meta] = {}
         self._events: list[Event] = [AllBlocksCleared()]  # a subscriber starts from nothing
+        # Per (group, medium), the pending BlockStored a continuing block may join.
+        self._open: dict[tuple[int, str], BlockStored] = {}
         self.stored_blocks = 0  # ever, both media (the metrics' counters)
         self.removed_blocks = 0
 
@@ -189,6 +191,8 @@ class KVEventLog:
             return
         self.removed_blocks += 1
         group, block_hash = key
+        # A store after this removal must come after it: that group's open event closes.
+        self._open.pop((group, medium), None)
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved) and last.medium == medium and last.group_idx == group:
             last.block_hashes.append(external_hash(block_hash))
@@ -206,50 +210,49 @@ class KVEventLog:
         self._tell_stored(key, meta, medium)
 
     def _tell_stored(self, key: CacheKey, meta: _Meta, medium: str) -> None:
-        """A ``BlockStored`` for the block, or the block added to the last
-        event if it continues that event's chain (one event per run, as vLLM
-        sends a computed run of blocks)."""
+        """A ``BlockStored`` for the block, or the block added to its group's
+        open event if it continues that event's chain: one event per group
+        and run of blocks, as vLLM sends them. (Groups are indexed apart, so
+        a block joining an event ahead of another group's is in order.)"""
         group, block_hash = key
         with_tokens = not meta.private or self.private_blocks is PrivateBlocks.TOKEN_IDS
         parent = external_hash(meta.parent) if meta.parent is not None else None
-        last = self._events[-1] if self._events else None
+        told = external_hash(block_hash)
+        open_event = self._open.get((group, medium))
         if (
-            isinstance(last, BlockStored)
-            and last.medium == medium
-            and last.group_idx == group
-            and last.block_hashes
-            and last.block_hashes[-1] == parent
-            and bool(last.token_ids) == (with_tokens and bool(meta.tokens))
+            open_event is not None
+            and open_event.block_hashes[-1] == parent
+            and bool(open_event.token_ids) == (with_tokens and bool(meta.tokens))
         ):
-            last.block_hashes.append(external_hash(block_hash))
+            open_event.block_hashes.append(told)
             if with_tokens:
-                last.token_ids.extend(meta.tokens)
-            assert last.extra_keys is not None
-            last.extra_keys.append(meta.extra)
+                open_event.token_ids.extend(meta.tokens)
+            assert open_event.extra_keys is not None
+            open_event.extra_keys.append(meta.extra)
             return
         spec = self.groups[group] if group < len(self.groups) else GroupSpec(FULL_ATTENTION)
-        self._events.append(
-            BlockStored(
-                block_hashes=[external_hash(block_hash)],
-                parent_block_hash=parent,
-                token_ids=list(meta.tokens) if with_tokens else [],
-                block_size=self.block_size,
-                lora_id=None,
-                medium=medium,
-                lora_name=None,
-                extra_keys=[meta.extra],
-                group_idx=group,
-                kv_cache_spec_kind=spec.kind,
-                kv_cache_spec_sliding_window=spec.sliding_window,
-            )
+        event = BlockStored(
+            block_hashes=[told],
+            parent_block_hash=parent,
+            token_ids=list(meta.tokens) if with_tokens else [],
+            block_size=self.block_size,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            extra_keys=[meta.extra],
+            group_idx=group,
+            kv_cache_spec_kind=spec.kind,
+            kv_cache_spec_sliding_window=spec.sliding_window,
         )
+        self._events.append(event)
+        self._open[(group, medium)] = event
 
     # -- the caller's side -----------------------------------------------------------
 
     def take(self) -> list[Event]:
         """The events since the last call, in order."""
         events, self._events = self._events, []
-        # The last event may still be extended: a new list starts a new event.
+        self._open = {}  # taken events are never changed again
         return events
 
     def pending(self) -> bool:
@@ -260,6 +263,7 @@ class KVEventLog:
         block of either tier (for a subscriber that lost events). Replaces
         whatever was pending, which it includes."""
         self._events = [AllBlocksCleared()]
+        self._open = {}
         for key, meta in self._meta.items():
             for medium, bit in _MEDIUM_BIT.items():
                 if meta.media & bit and not (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.kv import KVManager, PageLayout
-from kvd.kv.events import GPU, PrivateBlocks, external_hash
+from kvd.kv.events import GPU, BlockStored, PrivateBlocks, external_hash
 from kvd.kv.sequence import Sequence
 from tests.kv.conftest import BLOCK, Subscriber, make_kv
 
@@ -123,3 +123,20 @@ def test_a_resync_tells_everything_held_from_scratch(layout: PageLayout) -> None
     late.blocks["GPU"].add((0, 1))  # stale belief, cleared by the resync
     late.apply(events.resync())
     assert late.held(GPU) == view(kv) and late.held("CPU") == view(kv, "CPU")
+
+
+def test_a_run_of_blocks_is_one_event_per_group(layout: PageLayout) -> None:
+    kv = make_kv(layout)
+    events = kv.enable_events()
+    events.take()
+    run(kv, 1, "a", [*range(30, 42), 7])  # 3 full blocks, in each of the 3 page groups
+    stored = [e for e in events.take() if isinstance(e, BlockStored)]
+    assert sorted(e.group_idx for e in stored if e.group_idx is not None) == [0, 1, 2]
+    global_group = next(e for e in stored if e.kv_cache_spec_kind == "full_attention")
+    assert len(global_group.block_hashes) == 3 and global_group.parent_block_hash is None
+    assert global_group.token_ids == list(range(30, 42))
+    assert all(
+        e.kv_cache_spec_sliding_window == 8
+        for e in stored
+        if e.kv_cache_spec_kind != "full_attention"
+    )
