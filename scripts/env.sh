@@ -15,7 +15,9 @@ kvd_ensure_venv() {
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
         echo "installing kvd${extra:+[$extra]} into $KVD_VENV" >&2
         "$KVD_VENV/bin/python" -m pip install --quiet --upgrade pip
-        "$KVD_VENV/bin/python" -m pip install --quiet -e "$spec"
+        # No bytecode compiled at install (thousands of files in torch alone):
+        # Python compiles what it imports, once, on first use.
+        "$KVD_VENV/bin/python" -m pip install --quiet --no-compile -e "$spec"
         touch "$stamp"
     fi
 }

@@ -94,9 +94,15 @@ def server_case() -> dict[str, object]:
     from tests.server.harness import serving
 
     async def answer(directory: Path) -> str:
-        # A short context: few shape buckets to compile at warm-up.
+        # A short context, small steps, two rows: few programs to compile at
+        # warm-up (each head program samples over the tokenizer's 262k vocabulary).
         async with serving(
-            directory, loader=load_engine, tensor_parallel=2, max_model_len=64
+            directory,
+            loader=load_engine,
+            tensor_parallel=2,
+            max_model_len=64,
+            max_num_seqs=2,
+            max_num_batched_tokens=16,
         ) as served:
             reply = await served.complete(prompt=SERVER_PROMPT, max_tokens=SERVER_TOKENS)
             body = await reply.get_json()
@@ -106,7 +112,7 @@ def server_case() -> dict[str, object]:
 
     model = random_model_with_tokenizer(max_position=256)  # as the daemon loads "random"
     reference = Engine(
-        model, EngineConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
+        model, EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16)
     )
     tokenizer = model.tokenizer
     greedy = SamplingParams(temperature=0.0, max_tokens=SERVER_TOKENS)

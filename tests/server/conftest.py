@@ -51,8 +51,8 @@ step_log_interval = 1.0
 source = "random"
 kv_dtype = "{{kv_dtype}}"
 max_model_len = {{max_model_len}}
-max_num_seqs = 8
-max_num_batched_tokens = 64
+max_num_seqs = {{max_num_seqs}}
+max_num_batched_tokens = {{max_num_batched_tokens}}
 tensor_parallel = {{tensor_parallel}}
 
 [pool]
@@ -243,6 +243,8 @@ def write_config(path: Path, **values: Any) -> Path:
         "kv_dtype": "float32",
         "max_in_flight": 4096,
         "tensor_parallel": 1,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
         "admin_socket": f"{socket_dir}/admin.sock",
         "state_file": "state.json",
     } | values
