@@ -104,6 +104,10 @@ async def test_a_gateway_following_the_events_holds_what_the_pool_holds(tmp_path
             apply_batches(gateway, batches)
             assert gateway.held(GPU) == pool_view(served)
             assert gateway.held("CPU") == pool_view(served, "CPU")
+            # And what the operator sees: every idle cached page is one block told.
+            status = await served.status()
+            assert len(gateway.held(GPU)) == status["pool"]["cached"] > 0
+            assert len(gateway.held("CPU")) == status["host"]["cached_pages"]
             first_events = batches[0][1][1]
             assert first_events[0] == {"type": "AllBlocksCleared"}
             # Alice's and Bob's identical prompts are two scopes a router can tell apart.
