@@ -79,6 +79,7 @@ class KVEventPublisher:
         self.overflows = 0  # batches not queued: the queue was full
         self.replays = 0  # replay requests answered
         self._log: KVEventLog | None = None
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -119,10 +120,12 @@ class KVEventPublisher:
         return self._queue.qsize()
 
     def close(self) -> None:
-        """Send what is queued (for at most a second), then close the sockets."""
+        """Send what is queued (for at most a second or two), then close the sockets."""
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=1.0)
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=1.0)
+        self._stopping.set()  # a queue still full: the thread stops after its current batch
+        self._thread.join(timeout=1.0)
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -138,7 +141,7 @@ class KVEventPublisher:
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
-        while True:
+        while not self._stopping.is_set():
             if self._replay is not None and poller.poll(0):
                 self._answer_replay()
             try:
