@@ -141,27 +141,35 @@ def ideal_hit_rate(prompts: list[tuple[str, list[int]]], block: int) -> float:
     return hit / total if total else 0.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free now (for a process that binds it itself)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
 
 
-def _smg() -> str:
+def smg_command(
+    urls: list[str], policy: str, port: int, gateway_key: str, tenant_keys: dict[str, str]
+) -> list[str]:
+    """``smg launch`` in front of kvd replicas, as docs/scale-out.md says: the
+    gateway's own key is a kvd tenant's (smg reads the model id from
+    ``/v1/models`` with it), every other tenant's key is listed so the
+    gateway admits it and forwards it as it came."""
     path = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
     if path is None:
         raise RuntimeError("smg is not installed: pip install smg (or kvd[test])")
-    return path
+    args = [path, "launch", "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--worker-urls", *urls, "--policy", policy, "--api-key", gateway_key]
+    args += [arg for t, key in tenant_keys.items() for arg in ("--tenant-api-key", f"{t}:{key}")]
+    args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    args += ["--disable-tokenizer-autoload", "--worker-startup-check-interval", "1"]
+    return args
 
 
 def _launch_gateway(urls: list[str], policy: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    args = [_smg(), "launch", "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--worker-urls", *urls, "--policy", policy]
-    args += ["--api-key", _key(TENANTS[0])]
-    args += [arg for t in TENANTS[1:] for arg in ("--tenant-api-key", f"{t}:{_key(t)}")]
-    args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
-    args += ["--disable-tokenizer-autoload", "--worker-startup-check-interval", "1"]
+    port = free_port()
+    others = {t: _key(t) for t in TENANTS[1:]}
+    args = smg_command(urls, policy, port, _key(TENANTS[0]), others)
     with log.open("ab") as out:
         gateway = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -187,7 +187,7 @@ class KVEventLog:
         meta.media &= ~bit
         if not meta.media:
             del self._meta[key]
-        if meta.private and self.private_blocks is PrivateBlocks.NONE:
+        if self._untold(meta):
             return
         self.removed_blocks += 1
         group, block_hash = key
@@ -204,10 +204,14 @@ class KVEventLog:
         if meta.media & bit:
             return
         meta.media |= bit
-        if meta.private and self.private_blocks is PrivateBlocks.NONE:
+        if self._untold(meta):
             return
         self.stored_blocks += 1
         self._tell_stored(key, meta, medium)
+
+    def _untold(self, meta: _Meta) -> bool:
+        """A block the operator keeps from the gateway: nothing is sent of it."""
+        return meta.private and self.private_blocks is PrivateBlocks.NONE
 
     def _tell_stored(self, key: CacheKey, meta: _Meta, medium: str) -> None:
         """A ``BlockStored`` for the block, or the block added to its group's
@@ -266,9 +270,7 @@ class KVEventLog:
         self._open = {}
         for key, meta in self._meta.items():
             for medium, bit in _MEDIUM_BIT.items():
-                if meta.media & bit and not (
-                    meta.private and self.private_blocks is PrivateBlocks.NONE
-                ):
+                if meta.media & bit and not self._untold(meta):
                     self._tell_stored(key, meta, medium)
         return self.take()
 

@@ -8,7 +8,6 @@ replica that cached it."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 from contextlib import AsyncExitStack
@@ -19,6 +18,7 @@ import httpx
 import pytest
 import trio
 
+from kvd.bench.fleet import free_port, smg_command
 from tests.server.conftest import ALICE, BOB
 from tests.server.harness import Served, serving
 
@@ -28,22 +28,10 @@ pytestmark = pytest.mark.skipif(SMG is None, reason="smg is not installed (the t
 PROMPT = "A bakery's recipe book begins with the rules of the house: " * 8
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def launch_smg(urls: list[str], policy: str, port: int, log: BinaryIO) -> subprocess.Popen[bytes]:
-    """smg as an operator runs it in front of kvd (docs/scale-out.md): the
-    gateway's own key is a kvd tenant's, every other tenant's key is listed
-    so the gateway accepts it and forwards it as it came."""
-    assert SMG is not None
-    args = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--worker-urls", *urls, "--policy", policy]
-    args += ["--api-key", ALICE, "--tenant-api-key", f"bob:{BOB}"]
-    args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    args += ["--disable-tokenizer-autoload", "--worker-startup-check-interval", "1"]
+    """smg as an operator runs it in front of kvd (docs/scale-out.md): alice's
+    key is the gateway's own, bob's is listed and forwarded as it came."""
+    args = smg_command(urls, policy, port, ALICE, {"bob": BOB})
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
 
