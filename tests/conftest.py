@@ -23,6 +23,15 @@ from pathlib import Path
 import pytest
 
 _RUN_CACHE = "KVD_TEST_RUN_CACHE"
+
+# XLA's LLVM back end at -O0 in the test processes and the daemons they start:
+# the suite's engines are tiny, so compiling is most of their cost and running
+# the least, and -O0 compiles a third faster (tests/engine/test_parity.py: 152 s
+# at the default, 113 s at -O0, same results). Only LLVM's passes change: XLA's
+# own graph passes, its fusions and its library matmuls are the same, and
+# without fast-math LLVM keeps IEEE results at every level. The one daemon on
+# the shipped configuration (tests/e2e) runs with XLA's defaults.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 _MADE_BY = "KVD_TEST_RUN_CACHE_MADE_BY"
 
 
@@ -32,6 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # greedy generation on the 270M measured 3.8x slower on two threads than
     # on one with one busy loop beside it, 91.8 s against 24.1 s).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)  # read when JAX starts: before any test
     base = os.environ.get(_RUN_CACHE)
     if base is None:  # the controlling process: xdist's workers inherit its environment
         base = tempfile.mkdtemp(prefix="kvd-test-cache-")
@@ -78,9 +88,10 @@ def kvd_cache() -> Path:
 @pytest.fixture(scope="session")
 def daemon_env(kvd_cache: Path) -> dict[str, str]:
     """The environment of the daemons the tests start: this process's cache,
-    JAX on the CPU with one device (a tensor-parallel check sets its own)."""
+    JAX on the CPU with one device and the tests' XLA flags (a
+    tensor-parallel check adds its devices)."""
     env = dict(os.environ)
     env["KVD_CACHE_DIR"] = str(kvd_cache)
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS
     return env

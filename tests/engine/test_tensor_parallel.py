@@ -14,13 +14,15 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import TEST_XLA_FLAGS
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=4"
     env["JAX_PLATFORMS"] = "cpu"
     result = subprocess.run(
         [sys.executable, "-m", "tests.engine.tp_check"],
