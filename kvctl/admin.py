@@ -96,6 +96,14 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _weights(model: dict[str, Any]) -> str:
+    """``int8 312 MiB``: the weights' format and their bytes (older daemons: the dtype)."""
+    held = model.get("weight_bytes")
+    kind = model.get("quantization", "none")
+    kind = model["dtype"] if kind == "none" else kind
+    return kind if not held else f"{kind} {held / 2**20:.0f} MiB"
+
+
 def render_status(s: dict[str, Any]) -> str:
     pool = s["pool"]
     page_mib = pool["page_bytes"] / 2**20
@@ -104,6 +112,7 @@ def render_status(s: dict[str, Any]) -> str:
     lines = [
         f"kvd {s['version']} pid {s['pid']}, up {s['uptime_s']} s, device {s['device']}",
         f"model {s['model']['name']} ({s['model']['source']}, {s['model']['dtype']}, "
+        f"weights {_weights(s['model'])}, "
         f"KV {s['model'].get('kv_dtype', s['model']['dtype'])}, "
         f"context {s['model']['max_model_len']})",
         f"pool {pool['pages']} pages x {page_mib:.3g} MiB: used {pool['used']}, "

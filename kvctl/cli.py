@@ -19,7 +19,15 @@ import msgspec
 
 from kvctl import admin
 from kvd.clikit import FiniteFloat, SizeType, fail, run
-from kvd.kv.capacity import CapacityReport, capacity_report
+from kvd.kv.capacity import (
+    PARAMETERS,
+    SEED_OVERHEAD,
+    WEIGHT_FORMATS,
+    CapacityReport,
+    WeightsFit,
+    capacity_report,
+    weights_fits,
+)
 from kvd.kv.geometry import GeometryError, KVGeometry, preset, uniform_geometry
 from kvd.kv.layout import LayoutError
 from kvd.units import format_iec, format_si
@@ -366,6 +374,24 @@ _POSITIVE = click.IntRange(min=1)
 @click.option("--sliding-window", type=_POSITIVE, help="Sliding window in tokens.")
 @click.option("--sliding-kv-heads", type=_POSITIVE, help="KV heads of sliding layers.")
 @click.option("--sliding-head-dim", type=_POSITIVE, help="Head dimension of sliding layers.")
+@click.option(
+    "--weights",
+    type=click.Choice(sorted(WEIGHT_FORMATS)),
+    help="The weights' format: the pool is what the device has left beside them "
+    "(with --device-memory, instead of --pool).",
+)
+@click.option(
+    "--device-memory",
+    type=SizeType(),
+    help="Accelerator memory, e.g. 28.7GiB (the seed's chip).",
+)
+@click.option(
+    "--overhead",
+    type=SizeType(),
+    help="Memory the runtime and activations keep (default: what the seed's figures imply, "
+    f"{SEED_OVERHEAD / 2**30:.2f} GiB).",
+)
+@click.option("--parameters", type=_POSITIVE, help="Model parameters (default: the preset's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def capacity(
     model: str | None,
@@ -380,9 +406,14 @@ def capacity(
     sliding_window: int | None,
     sliding_kv_heads: int | None,
     sliding_head_dim: int | None,
+    weights: str | None,
+    device_memory: int | None,
+    overhead: int | None,
+    parameters: int | None,
     as_json: bool,
 ) -> None:
-    """What a KV pool holds for a model (offline; no daemon needed)."""
+    """What a KV pool holds for a model (offline; no daemon needed); with
+    --weights and --device-memory, what each weight format leaves to the pool."""
     try:
         geometry = _geometry(
             model,
@@ -396,13 +427,55 @@ def capacity(
         )
         if dtype is not None:
             geometry = geometry.with_dtype(dtype)
+        fits = None
+        if weights is not None or device_memory is not None:
+            fits = _weights_fits(
+                geometry, model, weights, device_memory, overhead, parameters, pool, block_size
+            )
+            pool = next(f.pool_bytes for f in fits if f.weights == weights)
         report = capacity_report(geometry, pool, block_size=block_size, context=context)
+        if fits is not None:
+            report = msgspec.structs.replace(report, weights=fits, weights_format=weights)
     except (GeometryError, LayoutError, ValueError) as exc:
         fail(str(exc))
     if as_json:
         click.echo(msgspec.json.encode(report).decode())
     else:
         click.echo(render_capacity(report))
+
+
+def _weights_fits(
+    geometry: KVGeometry,
+    model: str | None,
+    weights: str | None,
+    device_memory: int | None,
+    overhead: int | None,
+    parameters: int | None,
+    pool: int | None,
+    block_size: int,
+) -> list[WeightsFit]:
+    if weights is None or device_memory is None:
+        raise ValueError("--weights and --device-memory go together")
+    if pool is not None:
+        raise ValueError("give --pool or --weights with --device-memory, not both")
+    if parameters is None:
+        if model not in PARAMETERS:
+            raise ValueError(f"no parameter count for {model or 'this model'}: give --parameters")
+        parameters = PARAMETERS[model]
+    fits = weights_fits(
+        geometry,
+        parameters,
+        device_memory,
+        SEED_OVERHEAD if overhead is None else overhead,
+        block_size,
+    )
+    chosen = next(f for f in fits if f.weights == weights)
+    if chosen.pool_bytes <= 0:
+        raise ValueError(
+            f"{weights} weights ({format_iec(chosen.weight_bytes)}) and the overhead "
+            f"({format_iec(chosen.overhead_bytes)}) leave no pool in {format_iec(device_memory)}"
+        )
+    return fits
 
 
 def _geometry(
@@ -465,6 +538,22 @@ def render_capacity(r: CapacityReport) -> str:
             eager = r.eager_sequence_bytes_at_context
             rows.append(("with the window eager", f"{format_iec(eager)} ({format_si(eager)})"))
         lines += _table(f"one sequence of {r.context:,} tokens", rows)
+    if r.weights:
+        rows = [
+            (
+                f.weights + (" (this report)" if f.weights == r.weights_format else ""),
+                f"weights {format_iec(f.weight_bytes)}, pool {format_iec(f.pool_bytes)}, "
+                f"{f.max_sequences_512:,} concurrent 512-token sequences",
+            )
+            for f in r.weights
+        ]
+        first = r.weights[0]
+        title = (
+            f"weights of {first.parameters / 1e9:.4g}B parameters in "
+            f"{format_iec(first.device_memory)}, {format_iec(first.overhead_bytes)} kept "
+            "for the runtime"
+        )
+        lines += _table(title, rows)
     if r.pool_bytes is None or r.eager is None or r.kvd is None:
         return "\n".join(lines)
     e, k = r.eager, r.kvd

@@ -132,6 +132,14 @@ def check_config(path: str) -> None:
     help="Weights and compute dtype.",
 )
 @click.option(
+    "--quantization",
+    type=click.Choice(["auto", "none", "int8"]),
+    default="auto",
+    show_default=True,
+    help="int8: keep the matrices at their stored precision (a GGUF's blocks, exactly); "
+    "auto: int8 where that is exact.",
+)
+@click.option(
     "--tensor-parallel",
     type=click.IntRange(min=1),
     default=1,
@@ -150,6 +158,7 @@ def generate(
     top_p: float,
     seed: int | None,
     dtype: str,
+    quantization: str,
     tensor_parallel: int,
     as_json: bool,
 ) -> None:
@@ -176,6 +185,7 @@ def generate(
             top_p=top_p,
             seed=seed,
             dtype=dtype,
+            quantization=quantization,
             tensor_parallel=tensor_parallel,
             progress=lambda text: click.echo(text, err=True),
         )
@@ -232,17 +242,50 @@ def bench_kv(steps: int, running: str, model: str, block_size: int, as_json: boo
 @click.option("--prompt-len", type=click.IntRange(min=2), default=128, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
+@click.option("--quantization", type=click.Choice(["auto", "none", "int8"]), default="auto")
 @click.option("--no-baseline", is_flag=True, help="Skip the transformers baseline.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(
-    batches: str, prompt_len: int, new_tokens: int, dtype: str, no_baseline: bool, as_json: bool
+    batches: str,
+    prompt_len: int,
+    new_tokens: int,
+    dtype: str,
+    quantization: str,
+    no_baseline: bool,
+    as_json: bool,
 ) -> None:
     """Decode throughput and TTFT of the embedded model, with transformers as the baseline."""
     from kvd.bench.decode import render, run_decode_bench
 
     sizes = _positive_list(batches, "--batches")
     report = run_decode_bench(
-        sizes, prompt_len, new_tokens, dtype, not no_baseline, lambda t: click.echo(t, err=True)
+        sizes,
+        prompt_len,
+        new_tokens,
+        dtype,
+        not no_baseline,
+        lambda t: click.echo(t, err=True),
+        quantization,
+    )
+    click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
+
+
+@bench.command("weights")
+@click.option("--batches", default="1,8,32", show_default=True, help="Decode batch sizes.")
+@click.option("--prefill", default="512", show_default=True, help="Prompt lengths to prefill.")
+@click.option("--new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_weights(batches: str, prefill: str, new_tokens: int, rounds: int, as_json: bool) -> None:
+    """The embedded model with f32 against int8 weights: speed, bytes, greedy agreement."""
+    from kvd.bench.weights import render, run_weights_bench
+
+    report = run_weights_bench(
+        _positive_list(batches, "--batches"),
+        _positive_list(prefill, "--prefill"),
+        new_tokens,
+        rounds,
+        lambda t: click.echo(t, err=True),
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 

@@ -144,3 +144,36 @@ def test_bench_sampling_prints_figures() -> None:
     assert len(report["cases"]) == 13 and all(c["ms"] > 0 for c in report["cases"])
     temperature = next(c for c in report["cases"] if c["name"] == "temperature alone")
     assert temperature["ratio_to_temperature"] == 1.0
+
+
+def test_capacity_shows_what_int8_weights_buy_on_the_seeds_chip() -> None:
+    out = run(
+        "kvctl", "capacity", "--model", "gemma4-12b", "--weights", "int8",
+        "--device-memory", "28.7GiB", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    fits = {fit["weights"]: fit for fit in report["weights"]}
+    # bf16 weights leave the seed's ~3.8 GiB pool and its 17 sequences of 512.
+    assert abs(fits["bfloat16"]["pool_bytes"] - 3.8 * 1024**3) < 1024**2
+    assert fits["bfloat16"]["max_sequences_512"] == 17
+    assert fits["int8"]["weight_bytes"] < 0.6 * fits["bfloat16"]["weight_bytes"]
+    assert report["pool_bytes"] == fits["int8"]["pool_bytes"] > 3 * fits["bfloat16"]["pool_bytes"]
+    assert report["kvd"]["max_sequences_512"] == fits["int8"]["max_sequences_512"] > 3 * 17
+    human = run(
+        "kvctl", "capacity", "--model", "gemma4-12b", "--weights", "int8",
+        "--device-memory", "28.7GiB",
+    )  # fmt: skip
+    assert re.search(r"int8 \(this report\)\s+weights 12\.52 GiB", human.stdout), human.stdout
+    for bad, message in (
+        (["--weights", "int8"], "--weights and --device-memory go together"),
+        (["--weights", "int8", "--device-memory", "28GiB", "--pool", "1GiB"], "not both"),
+        (["--weights", "float32", "--device-memory", "28.7GiB"], "leave no pool"),
+    ):
+        failed = run("kvctl", "capacity", "--model", "gemma4-12b", *bad)
+        assert failed.returncode != 0 and message in failed.stderr, failed.stderr
+    custom = run(
+        "kvctl", "capacity", "--layers", "4", "--kv-heads", "1", "--head-dim", "64",
+        "--weights", "int8", "--device-memory", "1GiB",
+    )  # fmt: skip
+    assert custom.returncode != 0 and "give --parameters" in custom.stderr

@@ -61,6 +61,11 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     ]
 
 
+def matrix_elements(value: Any) -> int:
+    """Parameters in a weight: an array's elements, an int8 weight's values."""
+    return int(np.prod(getattr(value, "values", value).shape))
+
+
 def run_decode_bench(
     batches: tuple[int, ...] = (1, 8, 32),
     prompt_len: int = 128,
@@ -68,6 +73,7 @@ def run_decode_bench(
     dtype: str = "float32",
     baseline: bool = True,
     say: Callable[[str], None] = lambda _text: None,
+    quantization: str = "auto",
 ) -> DecodeReport:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model
@@ -77,7 +83,7 @@ def run_decode_bench(
     say("measuring the GEMM roofline")
     roofline = gemm_roofline()
     say(f"loading {EMBEDDED_MODEL}")
-    model = load_model(EMBEDDED_MODEL, dtype)
+    model = load_model(EMBEDDED_MODEL, dtype, quantization)
     cfg = model.config
     config = EngineConfig(
         dtype=dtype,
@@ -111,12 +117,14 @@ def run_decode_bench(
             )
         except ImportError:
             note = "transformers is not installed (pip install 'kvd[test]'): no baseline"
-    params = sum(np.prod(a.shape) for layer in model.params["layers"] for a in layer.values())
+    params = sum(
+        matrix_elements(value) for layer in model.params["layers"] for value in layer.values()
+    )
     flops_per_token = 2.0 * (params + cfg.vocab_size * cfg.hidden_size)
     return DecodeReport(
         machine=machine_description(),
         model=EMBEDDED_MODEL,
-        dtype=dtype,
+        dtype=dtype if model.quantization == "none" else f"{dtype}, {model.quantization} weights",
         prompt_len=prompt_len,
         new_tokens=new_tokens,
         gemm_gflops=roofline,

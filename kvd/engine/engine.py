@@ -52,6 +52,7 @@ from kvd.engine.model import (
     EngineSpec,
     Params,
     StepBatch,
+    activation_dtype,
     body,
     head_vocab_major,
     prepare_params,
@@ -243,7 +244,7 @@ def _place_in_place(tree: Any) -> Any:
         if isinstance(value, dict | list):
             _place_in_place(value)
         else:
-            tree[key] = jax.device_put(value).block_until_ready()
+            tree[key] = jax.block_until_ready(jax.device_put(value))  # an array or a QuantWeight
     return tree
 
 
@@ -311,6 +312,7 @@ class Engine:
 
             try:
                 sharding.check_divisible(model.config, cfg.tensor_parallel)
+                sharding.check_weight_blocks(params, cfg.tensor_parallel)
                 self.mesh = sharding.make_mesh(cfg.tensor_parallel)
             except sharding.ShardingError as exc:
                 raise EngineError(str(exc)) from None
@@ -345,7 +347,7 @@ class Engine:
         # 24.5 ms in a 4-token one.)
         self.token_buckets = powers_of_two(2, max(2, cfg.max_num_batched_tokens))
         every_shape = (self.token_buckets[-1], model.config.hidden_size)
-        self._every_hidden = jnp.zeros(every_shape, self.params["embed"].dtype)
+        self._every_hidden = jnp.zeros(every_shape, activation_dtype(self.params))
         if self.mesh is not None:
             self._every_hidden = jax.device_put(self._every_hidden, everywhere)
         self.seq_buckets = powers_of_two(1, cfg.max_num_seqs)
@@ -476,7 +478,7 @@ class Engine:
     def _rows_spec(self) -> jax.ShapeDtypeStruct:
         """The decoder's output for the head: one row per possible sequence."""
         hidden = self.model.config.hidden_size
-        return self._spec((self.config.max_num_seqs, hidden), self.params["embed"].dtype)
+        return self._spec((self.config.max_num_seqs, hidden), activation_dtype(self.params))
 
     def _put(self, array: np.ndarray[Any, Any]) -> Any:
         """A host buffer for a compiled program: replicated over the mesh, if any.

@@ -44,13 +44,14 @@ def generate_once(
     top_p: float = 1.0,
     seed: int | None = None,
     dtype: str = "float32",
+    quantization: str = "auto",
     tensor_parallel: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> GenerateResult:
     say = progress or (lambda _text: None)
-    say(f"loading {model} ({dtype})")
+    say(f"loading {model} ({dtype}, weights: {quantization})")
     try:
-        loaded = load_model(model, dtype)
+        loaded = load_model(model, dtype, quantization)
     except ModelLoadError as exc:
         raise GenerateError(str(exc), exit_code=1) from None
     tokenizer = loaded.tokenizer

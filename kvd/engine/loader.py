@@ -26,9 +26,11 @@ from kvd.engine.tokenizer import Tokenizer, TokenizerError
 from kvd.engine.weights import (
     WeightsError,
     config_from_gguf,
+    gguf_quantization,
     load_hf_directory,
     params_from_gguf,
 )
+from kvd.engine.wquant import tree_bytes
 
 EMBEDDED_MODEL = "gemma3-270m"
 _EMBEDDED_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -54,17 +56,45 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: str
     load_seconds: float
+    quantization: str = "none"  # "int8": matrices as kvd.engine.wquant.QuantWeight
+    # The largest relative RMS error int8 introduced in one tensor (0.0: every
+    # matrix was stored in a block format and kept exactly).
+    quantization_error: float = 0.0
+
+    @property
+    def weight_bytes(self) -> int:
+        return tree_bytes(self.params)
 
 
 def random_model(
-    vocab_size: int, sliding_window: int, seed: int = 0, max_position: int = 256
+    vocab_size: int,
+    sliding_window: int,
+    seed: int = 0,
+    max_position: int = 256,
+    quantization: str = "none",
 ) -> LoadedModel:
     """A tiny Gemma 3 (6 layers, width 32) with random weights and no tokenizer:
     for tests and benchmarks of everything around the model."""
-    from kvd.engine.weights import random_params
+    from kvd.engine.weights import quantised_params, random_params
 
     config = random_model_config(vocab_size, sliding_window, max_position)
-    return LoadedModel(config, random_params(config, seed), None, "random", 0.0)  # type: ignore[arg-type]
+    params = random_params(config, seed)
+    errors: dict[str, float] = {}
+    if quantization == "int8":
+        params = quantised_params(params, errors)
+    elif quantization == "auto":  # random float weights: int8 would not be exact
+        quantization = "none"
+    elif quantization != "none":
+        raise ModelLoadError(f"quantization {quantization!r}: use auto, none or int8")
+    return LoadedModel(
+        config,
+        params,
+        None,  # type: ignore[arg-type]
+        "random",
+        0.0,
+        quantization,
+        max(errors.values(), default=0.0),
+    )
 
 
 def random_model_config(vocab_size: int, sliding_window: int, max_position: int) -> ModelConfig:
@@ -94,13 +124,19 @@ def embedded_tokenizer() -> Tokenizer:
         return _gguf_tokenizer(gguf, path)
 
 
-def random_model_with_tokenizer(max_position: int = 2048, seed: int = 0) -> LoadedModel:
+def random_model_with_tokenizer(
+    max_position: int = 2048, seed: int = 0, quantization: str = "none"
+) -> LoadedModel:
     """The tiny random model with the embedded model's tokenizer and vocabulary:
     text in, (meaningless) text out, at almost no model cost. For exercising
     the daemon, like vLLM's dummy weights."""
     tokenizer = embedded_tokenizer()
     model = random_model(
-        tokenizer.vocab_size, sliding_window=32, seed=seed, max_position=max_position
+        tokenizer.vocab_size,
+        sliding_window=32,
+        seed=seed,
+        max_position=max_position,
+        quantization=quantization,
     )
     model.tokenizer = tokenizer
     model.source = "random"
@@ -159,9 +195,12 @@ def _known_presets() -> set[str]:
     return set(PRESETS)
 
 
-def load_model(model: str, dtype: str = "float32") -> LoadedModel:
-    """Weights (numpy, in ``dtype``), config and tokenizer for ``model``."""
+def load_model(model: str, dtype: str = "float32", quantization: str = "none") -> LoadedModel:
+    """Weights (numpy, in ``dtype``; int8 matrices with ``quantization="int8"``,
+    and with "auto" where that is exact: kvd.engine.wquant.QUANTIZATIONS),
+    config and tokenizer for ``model``."""
     np_dtype = _numpy_dtype(dtype)
+    errors: dict[str, float] = {}
     start = time.perf_counter()
     kind, path = resolve_model(model)
     try:
@@ -170,9 +209,11 @@ def load_model(model: str, dtype: str = "float32") -> LoadedModel:
                 name = EMBEDDED_MODEL if model == EMBEDDED_MODEL else path.stem
                 config = config_from_gguf(gguf, name)
                 tokenizer = _gguf_tokenizer(gguf, path)
-                params = params_from_gguf(config, gguf, np_dtype)
+                quantization = gguf_quantization(gguf, quantization)
+                params = params_from_gguf(config, gguf, np_dtype, quantization, errors)
         else:
-            config, params = load_hf_directory(path, np_dtype)
+            quantization = "none" if quantization == "auto" else quantization  # not exact there
+            config, params = load_hf_directory(path, np_dtype, quantization, errors)
             tokenizer = _directory_tokenizer(path)
     except (GGUFError, WeightsError, ConfigError, TokenizerError) as exc:
         raise ModelLoadError(str(exc)) from None
@@ -180,7 +221,15 @@ def load_model(model: str, dtype: str = "float32") -> LoadedModel:
         raise ModelLoadError(
             f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}"
         )
-    return LoadedModel(config, params, tokenizer, str(path), time.perf_counter() - start)
+    return LoadedModel(
+        config,
+        params,
+        tokenizer,
+        str(path),
+        time.perf_counter() - start,
+        quantization,
+        max(errors.values(), default=0.0),
+    )
 
 
 def _gguf_tokenizer(gguf: GGUFFile, path: Path) -> Tokenizer:

@@ -26,6 +26,7 @@ import numpy as np
 from kvd.engine.attention import NO_WINDOW, attend, resolve_attention
 from kvd.engine.config import ModelConfig
 from kvd.engine.kvquant import is_quantised, rotation, to_pool
+from kvd.engine.qdense import dense, embedding_rows, vocab_major_logits
 from kvd.kv.geometry import AttentionKind
 from kvd.kv.layout import PageLayout
 
@@ -93,13 +94,22 @@ class EngineSpec(msgspec.Struct, frozen=True):
         )
 
 
+def activation_dtype(params: Params) -> Any:
+    """The dtype the model computes in: its float weights' (int8 weights
+    dequantise into it)."""
+    return params["final_norm"].dtype
+
+
 def prepare_params(spec: EngineSpec, params: Params) -> Params:
     """Stack per-layer weights ``[L, ...]`` when the layers can be scanned
     (``body`` then runs them as one ``lax.scan``)."""
     if not spec.uniform:
         return params
     layers = params["layers"]
-    stack = {name: np.stack([layer[name] for layer in layers]) for name in layers[0]}
+    stack = {
+        name: jax.tree.map(lambda *arrays: np.stack(arrays), *[layer[name] for layer in layers])
+        for name in layers[0]
+    }
     return {"embed": params["embed"], "final_norm": params["final_norm"], "stack": stack}
 
 
@@ -154,9 +164,9 @@ def _attention_block(
     cfg = spec.config
     n_kv, head_dim = cfg.kv_heads_of(kind), cfg.head_dim_of(kind)
     num_tokens = x.shape[0]
-    q = (x @ p["q"]).reshape(num_tokens, cfg.num_heads, head_dim)  # [T, N, H]
-    k = (x @ p["k"]).reshape(num_tokens, n_kv, head_dim)  # [T, K, H]
-    v = k if "v" not in p else (x @ p["v"]).reshape(num_tokens, n_kv, head_dim)
+    q = dense(x, p["q"]).reshape(num_tokens, cfg.num_heads, head_dim)  # [T, N, H]
+    k = dense(x, p["k"]).reshape(num_tokens, n_kv, head_dim)  # [T, K, H]
+    v = k if "v" not in p else dense(x, p["v"]).reshape(num_tokens, n_kv, head_dim)
     q = rms_norm(q, p["q_norm"], cfg.rms_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_eps)
     if cfg.value_norm:
@@ -203,7 +213,7 @@ def _attention_block(
     )  # [T, N, H]
     if turn is not None:
         out = out @ turn_  # its own inverse
-    return out.reshape(num_tokens, -1) @ p["o"], view.reshape(pool.shape)
+    return dense(out.reshape(num_tokens, -1), p["o"]), view.reshape(pool.shape)
 
 
 def _rope_for(
@@ -237,8 +247,8 @@ def _block(
     h, pool = _attention_block(spec, kind, place, p, h, pool, batch, ropes)
     x = x + rms_norm(h, p["post_attn_norm"], eps)
     h = rms_norm(x, p["pre_ffn_norm"], eps)
-    h = jax.nn.gelu(h @ p["gate"], approximate=True) * (h @ p["up"])  # [T, F]
-    x = x + rms_norm(h @ p["down"], p["post_ffn_norm"], eps)
+    h = jax.nn.gelu(dense(h, p["gate"]), approximate=True) * dense(h, p["up"])  # [T, F]
+    x = x + rms_norm(dense(h, p["down"]), p["post_ffn_norm"], eps)
     if spec.config.layer_scalar:
         x = x * p["layer_scalar"]
     return x, pool
@@ -249,9 +259,9 @@ def body(
 ) -> tuple[jax.Array, jax.Array]:
     """The decoder stack over a ragged batch: (hidden states ``[T, D]``, updated pool)."""
     cfg = spec.config
-    embed = params["embed"]  # [V, D]
-    dtype = embed.dtype
-    x = embed[batch.tokens] * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)  # [T, D]
+    dtype = activation_dtype(params)
+    x = embedding_rows(params["embed"], batch.tokens, dtype)  # [T, D]
+    x = x * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)
     kinds = sorted(set(cfg.layer_kinds))
     ropes = {k: _rope_for(cfg, k, batch.positions, dtype) for k in kinds}
     windows = [
@@ -310,7 +320,7 @@ def head_vocab_major(spec: EngineSpec, params: Params, rows: jax.Array) -> jax.A
     """
     cfg = spec.config
     last = rms_norm(rows, params["final_norm"], cfg.rms_eps)
-    logits = (last @ params["embed"].T).T.astype(jnp.float32)
+    logits = vocab_major_logits(params["embed"], last).astype(jnp.float32)
     if cfg.final_logit_softcap is not None:
         cap = cfg.final_logit_softcap
         logits = jnp.tanh(logits / cap) * cap

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvd.engine.config import ModelConfig
+from kvd.engine.wquant import QuantWeight, block_size
 
 AXIS = "model"
 
@@ -66,6 +67,22 @@ def check_divisible(config: ModelConfig, devices: int) -> None:
         )
 
 
+def check_weight_blocks(params: dict[str, Any], devices: int) -> None:
+    """int8 weights split along their blocks (``o`` and ``down``, by rows)
+    must split on block boundaries: each device dequantises its own rows."""
+    layers = params.get("layers") or [params.get("stack", {})]
+    for layer in layers:
+        for name in ("o", "down"):
+            weight = layer.get(name)
+            if isinstance(weight, QuantWeight):
+                rows, size = weight.values.shape[-2], block_size(weight)
+                if rows % devices or (rows // devices) % size:
+                    raise ShardingError(
+                        f"int8 weight {name} ({rows} rows in blocks of {size}) does not "
+                        f"split over {devices} devices on block boundaries"
+                    )
+
+
 def _layer_spec(name: str, kv_heads: int, devices: int) -> P:
     if name in ("q", "gate", "up"):
         return P(None, AXIS)
@@ -78,7 +95,9 @@ def _layer_spec(name: str, kv_heads: int, devices: int) -> P:
 
 def param_shardings(config: ModelConfig, params: dict[str, Any], mesh: Mesh) -> Any:
     """A NamedSharding per leaf of the parameter pytree: per-layer dicts under
-    "layers", or the layer-stacked form of ``prepare_params`` under "stack"."""
+    "layers", or the layer-stacked form of ``prepare_params`` under "stack".
+    An int8 weight's values, scales and offsets share its sharding (a prefix
+    of its subtree): the scales' axes are the values' axes, in blocks."""
     devices = mesh.devices.size
     out: dict[str, Any] = {
         key: NamedSharding(mesh, P()) for key in params if key not in ("layers", "stack")

@@ -12,7 +12,7 @@ Norm weights are stored as the direct multiplier: Gemma 3's checkpoints hold
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,18 @@ import numpy as np
 
 from kvd.engine.config import ConfigError, ModelConfig, from_hf_config
 from kvd.engine.gguf import GGUFError, GGUFFile
+from kvd.engine.wquant import (
+    HF_BLOCK,
+    QUANTISED_TYPES,
+    QUANTIZATIONS,
+    QuantWeight,
+    common_form,
+    from_gguf,
+    quantize_absmax,
+    regrouped,
+    relative_error,
+    transposed,
+)
 from kvd.kv.geometry import AttentionKind, interleaved_kinds
 
 
@@ -117,6 +129,27 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
     return {"embed": embed, "final_norm": np.ones(cfg.hidden_size, np.float32), "layers": layers}
 
 
+def quantised_params(
+    params: dict[str, Any], errors: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """A float pytree (``_build``'s layout) with its matrices as int8, absmax
+    per block along the contracting axis (for the random model, and tests)."""
+    layers = []
+    for i, layer in enumerate(params["layers"]):
+        out = {}
+        for field, array in layer.items():
+            _, _, transpose, is_norm = _LAYER_FIELDS[field]
+            if is_norm or np.ndim(array) != 2:
+                out[field] = array
+                continue
+            stored = np.asarray(array).T if transpose else np.asarray(array)
+            weight = _quantised(f"layers.{i}.{field}", stored, errors)
+            out[field] = transposed(weight) if transpose else weight
+        layers.append(out)
+    embed = _quantised("embed", np.asarray(params["embed"]), errors)
+    return {**params, "embed": embed, "layers": layers}
+
+
 def _check(name: str, array: np.ndarray[Any, Any], shape: tuple[int, ...]) -> None:
     if array.shape != shape:
         raise WeightsError(f"tensor {name} has shape {array.shape}, the model needs {shape}")
@@ -127,14 +160,28 @@ def _build(
     fetch: Callable[[str, bool], np.ndarray[Any, Any]],
     norm_offset: float,
     dtype: Any,
+    fetch_quantised: Callable[[str], QuantWeight] | None = None,
 ) -> dict[str, Any]:
-    """Assemble the pytree; ``fetch(kvd_path, is_hf_norm)`` returns float32 arrays."""
+    """Assemble the pytree; ``fetch(kvd_path, is_hf_norm)`` returns float32
+    arrays. With ``fetch_quantised`` (int8 weights), the embedding and every
+    layer matrix come from it instead, as stored (``[out, in]``, blocks along
+    ``in``); norms stay floats."""
 
     def cast(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         return np.ascontiguousarray(array, dtype=dtype)
 
-    embed = fetch("embed", False)
-    _check("embed", embed, (cfg.vocab_size, cfg.hidden_size))
+    def matrix(path: str, transpose: bool, shape: tuple[int, ...]) -> Any:
+        if fetch_quantised is None:
+            array = fetch(path, False)
+            array = array.T if transpose else array
+            _check(path, array, shape)
+            return cast(array)
+        weight = fetch_quantised(path)
+        weight = transposed(weight) if transpose else weight
+        _check(path, weight.values, shape)
+        return weight
+
+    embed = matrix("embed", False, (cfg.vocab_size, cfg.hidden_size))
     final_norm = fetch("final_norm", True) + norm_offset
     _check("final_norm", final_norm, (cfg.hidden_size,))
     layers = []
@@ -143,14 +190,34 @@ def _build(
         layer = {}
         for field in shapes:
             _, _, transpose, is_norm = _LAYER_FIELDS[field]
-            array = fetch(f"layers.{i}.{field}", is_norm)
-            array = array.T if transpose else array
+            path = f"layers.{i}.{field}"
+            if not is_norm and len(shapes[field]) == 2:
+                layer[field] = matrix(path, transpose, shapes[field])
+                continue
+            array = fetch(path, is_norm)
             if is_norm:
                 array = array + norm_offset
-            _check(f"layers.{i}.{field}", array, shapes[field])
+            _check(path, array, shapes[field])
             layer[field] = cast(array)
         layers.append(layer)
-    return {"embed": cast(embed), "final_norm": cast(final_norm), "layers": layers}
+    if fetch_quantised is not None:
+        _one_form_per_field(layers)
+    return {"embed": embed, "final_norm": cast(final_norm), "layers": layers}
+
+
+def _one_form_per_field(layers: list[dict[str, Any]]) -> None:
+    """Give each field one block size and offset choice in every layer (exactly:
+    finer blocks repeat the scales, a zero offset subtracts nothing), so that
+    stacked layers are one array; a GGUF may store a field in two formats
+    across layers (the 270M's ``down``: Q6_K in some, Q4_K in others)."""
+    for field in layers[0]:
+        weights = [layer[field] for layer in layers if isinstance(layer.get(field), QuantWeight)]
+        if not weights:
+            continue
+        size, with_offset = common_form(weights)
+        for layer in layers:
+            if isinstance(layer.get(field), QuantWeight):
+                layer[field] = regrouped(layer[field], size, with_offset)
 
 
 # -- Hugging Face layout ----------------------------------------------------------
@@ -158,27 +225,41 @@ def _build(
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 
 
-def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any) -> dict[str, Any]:
+def params_from_hf(
+    cfg: ModelConfig,
+    tensors: Mapping[str, Any],
+    dtype: Any,
+    quantization: str = "none",
+    errors: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """Parameters from Hugging Face tensor names (Gemma 3 text); ``tensors`` maps
-    names to numpy arrays (or anything ``np.asarray`` accepts)."""
-    stripped: dict[str, Any] = {}
-    for name, value in tensors.items():
+    names to numpy arrays (or anything ``np.asarray`` accepts). ``"int8"``
+    quantises each matrix as it is read (never the whole model in f32 at
+    once), its relative error put in ``errors``."""
+    stripped: dict[str, str] = {}  # a name without its prefix: the name (looked up when fetched)
+    for name in tensors:
         for prefix in _HF_PREFIXES:
             if name.startswith(prefix):
-                stripped[name[len(prefix) :]] = value
+                stripped[name[len(prefix) :]] = name
                 break
 
     def fetch(path: str, _norm: bool) -> np.ndarray[Any, Any]:
         hf = checkpoint_name(path, _HF)
         if hf is None or hf not in stripped:
             raise WeightsError(f"checkpoint has no tensor for {hf or path!r}")
-        return np.asarray(stripped[hf], dtype=np.float32)
+        return np.asarray(tensors[stripped[hf]], dtype=np.float32)
+
+    def fetch_quantised(path: str) -> QuantWeight:
+        return _quantised(path, fetch(path, False), errors)
 
     # Gemma 3 checkpoints hold w for x * (1 + w); Gemma 4 multiplies by w itself.
-    return _build(cfg, fetch, norm_offset=1.0 if cfg.family == "gemma3" else 0.0, dtype=dtype)
+    offset = 1.0 if cfg.family == "gemma3" else 0.0
+    return _build(cfg, fetch, offset, dtype, fetch_quantised if _wants_int8(quantization) else None)
 
 
-def load_hf_directory(path: Path, dtype: Any) -> tuple[ModelConfig, dict[str, Any]]:
+def load_hf_directory(
+    path: Path, dtype: Any, quantization: str = "none", errors: dict[str, float] | None = None
+) -> tuple[ModelConfig, dict[str, Any]]:
     """A checkpoint directory: config.json and one or more *.safetensors files."""
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -191,17 +272,52 @@ def load_hf_directory(path: Path, dtype: Any) -> tuple[ModelConfig, dict[str, An
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{path}: no *.safetensors files")
-    tensors: dict[str, Any] = {}
-    for file in files:
-        tensors.update(read_safetensors(file))
-    return cfg, params_from_hf(cfg, tensors, dtype)
+    tensors: Mapping[str, Any] = _merged([read_safetensors(file) for file in files])
+    return cfg, params_from_hf(cfg, tensors, dtype, quantization, errors)
 
 
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
-def read_safetensors(file: Path) -> dict[str, np.ndarray[Any, Any]]:
-    """Tensors of one .safetensors file as float arrays (bf16 widened to f32).
+def _merged(files: list[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """One mapping over several files' tensors, none of them read yet."""
+    owner = {name: tensors for tensors in files for name in tensors}
+    return {name: _Deferred(tensors, name) for name, tensors in owner.items()}
+
+
+class _Deferred:
+    """One tensor of a file, read when ``np.asarray`` asks for it."""
+
+    def __init__(self, tensors: Mapping[str, Any], name: str) -> None:
+        self._tensors, self._name = tensors, name
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        return np.asarray(self._tensors[self._name], dtype=dtype)
+
+
+class _Tensors(Mapping[str, np.ndarray[Any, Any]]):
+    """A file's tensors by name, each a float array when looked up (bf16
+    widened to f32 then): a whole bf16 checkpoint is never held in f32 at once."""
+
+    def __init__(self, stored: dict[str, np.ndarray[Any, Any]], bf16: set[str]) -> None:
+        self._stored, self._bf16 = stored, bf16
+
+    def __getitem__(self, name: str) -> np.ndarray[Any, Any]:
+        array = self._stored[name]
+        if name in self._bf16:
+            return (array.astype(np.uint32) << 16).view(np.float32)
+        return array
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
+def read_safetensors(file: Path) -> Mapping[str, np.ndarray[Any, Any]]:
+    """Tensors of one .safetensors file as float arrays (bf16 widened to f32
+    when a tensor is looked up).
 
     The format is an 8-byte header length, a JSON header, then raw data; it is
     read over mmap so only the tensors used are paged in.
@@ -221,6 +337,7 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray[Any, Any]]:
         raise WeightsError(f"{file}: not a safetensors file (bad header)") from None
     base = 8 + header_len
     out: dict[str, np.ndarray[Any, Any]] = {}
+    bf16: set[str] = set()
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -232,9 +349,9 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray[Any, Any]]:
             raise WeightsError(f"{file}: truncated: tensor {name} runs past the end of the file")
         array = np.frombuffer(data, dtype, (end - start) // np.dtype(dtype).itemsize, base + start)
         if info["dtype"] == "BF16":
-            array = (array.astype(np.uint32) << 16).view(np.float32)
+            bf16.add(name)
         out[name] = array.reshape(info["shape"])
-    return out
+    return _Tensors(out, bf16)
 
 
 # -- GGUF --------------------------------------------------------------------------
@@ -275,14 +392,68 @@ def config_from_gguf(gguf: GGUFFile, name: str) -> ModelConfig:
         raise ConfigError(f"{gguf.path}: metadata lacks {exc.args[0]!r}") from None
 
 
-def params_from_gguf(cfg: ModelConfig, gguf: GGUFFile, dtype: Any) -> dict[str, Any]:
-    def fetch(path: str, _norm: bool) -> np.ndarray[Any, Any]:
+def params_from_gguf(
+    cfg: ModelConfig,
+    gguf: GGUFFile,
+    dtype: Any,
+    quantization: str = "none",
+    errors: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Parameters from a GGUF file. ``quantization="int8"``: matrices stored
+    in a block format keep their blocks (exactly, ``kvd.engine.wquant``);
+    float matrices are quantised, their relative error put in ``errors``."""
+
+    def tensor_name(path: str) -> str:
         name = checkpoint_name(path, _GGUF)
         if name is None:
             raise WeightsError(f"GGUF files have no tensor for {path}")
+        return name
+
+    def fetch(path: str, _norm: bool) -> np.ndarray[Any, Any]:
         try:
-            return gguf.load(name, np.float32)
+            return gguf.load(tensor_name(path), np.float32)
         except GGUFError as exc:
             raise WeightsError(str(exc)) from None
 
-    return _build(cfg, fetch, norm_offset=0.0, dtype=dtype)
+    def fetch_quantised(path: str) -> QuantWeight:
+        name = tensor_name(path)
+        try:
+            info = gguf.tensor(name)
+            if info.type_id in QUANTISED_TYPES and len(info.shape) == 2:
+                return from_gguf(gguf.raw(name), info.type_id, (info.shape[0], info.shape[1]))
+            return _quantised(path, gguf.load(name, np.float32), errors)
+        except GGUFError as exc:
+            raise WeightsError(str(exc)) from None
+
+    return _build(cfg, fetch, 0.0, dtype, fetch_quantised if _wants_int8(quantization) else None)
+
+
+def _wants_int8(quantization: str) -> bool:
+    if quantization not in QUANTIZATIONS or quantization == "auto":
+        raise WeightsError(f"quantization {quantization!r}: use none or int8")
+    return quantization == "int8"
+
+
+def gguf_quantization(gguf: GGUFFile, quantization: str) -> str:
+    """``quantization`` with "auto" resolved: int8 when every matrix of the
+    file is stored in a block format (re-encoded exactly), else none."""
+    if quantization != "auto":
+        return quantization
+    matrices = [info for info in gguf.tensors.values() if len(info.shape) == 2]
+    exact = bool(matrices) and all(info.type_id in QUANTISED_TYPES for info in matrices)
+    return "int8" if exact else "none"
+
+
+def _quantised(
+    path: str, matrix: np.ndarray[Any, Any], errors: dict[str, float] | None
+) -> QuantWeight:
+    """A float matrix (``[out, in]``) quantised per block along ``in``."""
+    if matrix.ndim != 2 or matrix.shape[1] % HF_BLOCK:
+        raise WeightsError(
+            f"tensor {path} has shape {matrix.shape}: int8 weights need rows of a "
+            f"multiple of {HF_BLOCK} values"
+        )
+    weight = quantize_absmax(matrix)
+    if errors is not None:
+        errors[path] = relative_error(matrix, weight)
+    return weight

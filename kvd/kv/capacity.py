@@ -17,6 +17,60 @@ from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
 
 MAX_SIMULATED_PAGES = 4_000_000
+GIB = 2**30
+
+# Parameters per preset, the embedding counted once (tied to the output).
+# Gemma 3: computed from kvd.engine.config.PRESETS (tests/kv/test_capacity.py
+# keeps them equal). Gemma 4 12B has no engine preset: its model card's
+# "11.95B", an approximation.
+PARAMETERS: dict[str, int] = {
+    "gemma3-270m": 268_098_176,
+    "gemma3-1b": 999_885_952,
+    "gemma3-4b": 3_880_099_328,
+    "gemma3-12b": 11_765_788_416,
+    "gemma3-27b": 27_009_002_240,
+    "gemma4-12b": 11_950_000_000,
+}
+# Bytes per parameter: int8 values with an f32 scale per 32 (a GGUF Q8_0
+# block re-encoded; kvd.engine.wquant).
+WEIGHT_FORMATS: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4 / 32}
+# The seed's chip: 28.7 GiB of usable HBM, of which Gemma 4 12B's bf16
+# weights and the ~3.8 GiB pool leave this much to the runtime and activations.
+SEED_DEVICE_MEMORY = int(28.7 * GIB)
+SEED_OVERHEAD = SEED_DEVICE_MEMORY - int(PARAMETERS["gemma4-12b"] * 2.0) - int(3.8 * GIB)
+
+
+class WeightsFit(msgspec.Struct, frozen=True):
+    """One weight format on one device: what is left to the KV pool."""
+
+    weights: str
+    parameters: int
+    weight_bytes: int
+    device_memory: int
+    overhead_bytes: int  # the runtime and activations
+    pool_bytes: int
+    max_sequences_512: int  # concurrent 512-token sequences in that pool (kvd's allocator)
+
+
+def weights_fits(
+    geometry: KVGeometry,
+    parameters: int,
+    device_memory: int,
+    overhead: int = SEED_OVERHEAD,
+    block_size: int = 16,
+) -> list[WeightsFit]:
+    """Every weight format's pool on a device of ``device_memory`` bytes."""
+    fits = []
+    for name, per_parameter in WEIGHT_FORMATS.items():
+        weight_bytes = int(parameters * per_parameter)
+        pool = device_memory - weight_bytes - overhead
+        sequences = max_sequences(geometry, pool, block_size, 512) if pool > 0 else 0
+        fits.append(
+            WeightsFit(
+                name, parameters, weight_bytes, device_memory, overhead, max(pool, 0), sequences
+            )
+        )
+    return fits
 
 
 class BytesPerToken(msgspec.Struct, frozen=True):
@@ -64,6 +118,8 @@ class CapacityReport(msgspec.Struct, frozen=True):
     eager_sequence_bytes_at_context: int | None = None  # the window reserved in full
     eager: EagerCapacity | None = None
     kvd: KvdCapacity | None = None
+    weights: list[WeightsFit] | None = None  # each format's pool, with --device-memory
+    weights_format: str | None = None  # the format whose pool the report is for
 
 
 def bytes_per_token(geometry: KVGeometry) -> BytesPerToken:

@@ -27,6 +27,8 @@ class Generation:
     prompt_ids: list[int]
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # Per token, the most likely tokens with their logprobs (``top_logprobs``).
+    alternatives: list[tuple[tuple[int, float], ...] | None] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
     first_token_s: float | None = None
@@ -71,6 +73,7 @@ class BatchGenerator:
                         result.cached_tokens = handles[event.request_id].cached_tokens
                     result.completion_ids.append(event.token)
                     result.logprobs.append(event.logprob)
+                    result.alternatives.append(event.top)
                 if event.finished:
                     result.finish_reason = event.finish_reason
         return [results[i] for i in ids]

@@ -165,6 +165,8 @@ class Admin:
                 "name": self.server.model_name,
                 "source": self.config.model.source,
                 "dtype": self.config.model.dtype,
+                "quantization": self.server.quantization,
+                "weight_bytes": self.server.weight_bytes,
                 "kv_dtype": kv.layout.geometry.dtype,
                 "max_model_len": self.config.model.max_model_len,
             },

@@ -62,6 +62,10 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     source: str = "gemma3-270m"
     name: str | None = None  # the id clients send as "model"; default: the source's name
     dtype: str = "float32"
+    # "int8": matrices kept at their stored precision (a GGUF's blocks, exactly)
+    # and dequantised inside each step; "none": loaded as dtype; "auto": int8
+    # where that is exact (a GGUF stored in block formats, the embedded model).
+    quantization: str = "auto"
     kv_dtype: str | None = None
     max_model_len: int = 4096
     max_num_seqs: int = 32
@@ -214,6 +218,8 @@ def validate(config: Config) -> None:
     _size("server.max_body", server.max_body)
     if model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype: {model.dtype!r} is not float32 or bfloat16")
+    if model.quantization not in ("auto", "none", "int8"):
+        raise ConfigError(f"model.quantization: {model.quantization!r} is not auto, none or int8")
     if model.kv_dtype is not None and _canonical_or_none(model.kv_dtype) not in POOL_DTYPES:
         raise ConfigError(
             f"model.kv_dtype: {model.kv_dtype!r} is not one of {', '.join(POOL_DTYPES)}"

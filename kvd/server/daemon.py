@@ -452,6 +452,8 @@ class Daemon:
         )
         state.tokenizer = loaded.tokenizer
         state.vocab_size = loaded.vocab_size
+        state.weight_bytes = loaded.weight_bytes
+        state.quantization = loaded.quantization
         if self.kv_events is not None:
             kv = loaded.scheduler.kv
             kv.flush_cache()  # subscribers start from an empty cache (and are told so)

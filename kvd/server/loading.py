@@ -108,10 +108,7 @@ def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
     kv_dtype = config.model.kv_dtype or config.model.dtype
     layout = build_layout(model.config.kv_geometry(kv_dtype), config.pool.block_size)
     if config.pool.size == "auto":
-        import jax
-
-        weights = sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(model.params))
-        budget = _auto_pool_bytes(weights, config.pool.auto_fraction)
+        budget = _auto_pool_bytes(model.weight_bytes, config.pool.auto_fraction)
     else:
         budget = parse_size(config.pool.size)
     tokens = layout.pool_tokens(budget)
@@ -134,12 +131,14 @@ def load(
     cfg = config.model
     progress("lifecycle.loading", {"source": cfg.source, "dtype": cfg.dtype})
     if cfg.source == "random":
-        model = random_model_with_tokenizer(max_position=max(cfg.max_model_len, 256))
+        model = random_model_with_tokenizer(
+            max_position=max(cfg.max_model_len, 256), quantization=cfg.quantization
+        )
     else:
         source = cfg.source
         if "/" in source or source.endswith(".gguf"):
             source = str(config.path(source))
-        model = load_model(source, cfg.dtype)
+        model = load_model(source, cfg.dtype, cfg.quantization)
     pool_tokens, page_bytes = _pool_tokens(config, model)
     engine = Engine(
         model,
@@ -157,7 +156,14 @@ def load(
     pool_pages = engine.num_pages - 1  # the null page holds nothing
     progress(
         "lifecycle.pool",
-        {"pages": pool_pages, "page_bytes": page_bytes, "tokens_per_group": pool_tokens},
+        {
+            "pages": pool_pages,
+            "page_bytes": page_bytes,
+            "tokens_per_group": pool_tokens,
+            "weight_bytes": model.weight_bytes,
+            "quantization": model.quantization,
+            "quantization_error": round(model.quantization_error, 6),
+        },
     )
     live = saved or from_config(
         config, config_prefixes(config, model.tokenizer, model.config.vocab_size)
@@ -188,4 +194,13 @@ def load(
             "crossover_tokens": rates.crossover_tokens(),
         },
     )
-    return Loaded(scheduler, model.tokenizer, model.config.vocab_size, pool_pages, page_bytes, live)
+    return Loaded(
+        scheduler,
+        model.tokenizer,
+        model.config.vocab_size,
+        pool_pages,
+        page_bytes,
+        live,
+        model.weight_bytes,
+        model.quantization,
+    )

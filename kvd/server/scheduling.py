@@ -29,6 +29,8 @@ class Loaded:
     pool_pages: int
     page_bytes: int
     live: LiveState  # what the admin API changes, as applied
+    weight_bytes: int = 0  # the model's parameters (int8 weights: values, scales, offsets)
+    quantization: str = "none"  # as loaded: "none" or "int8"
 
 
 def build_scheduler(

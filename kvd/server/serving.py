@@ -34,4 +34,6 @@ class ServerState:
     log_prompts: bool = False
     queue_timeout: float | None = None
     max_n: int = DEFAULT_MAX_N
+    weight_bytes: int = 0  # the loaded model's parameters, as held on the device
+    quantization: str = "none"  # the weights' format as loaded ("auto" resolved)
     created: int = field(default_factory=lambda: int(time.time()))

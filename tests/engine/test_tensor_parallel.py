@@ -53,6 +53,15 @@ def test_sharded_logits_match_single_device(devices: str, report: dict[str, Any]
     assert entry["same_tokens"], entry  # 30 decode steps, past the 12-token window
 
 
+def test_int8_weights_split_with_their_scales(report: dict[str, Any]) -> None:
+    entry = report["tiny_int8"]["2"]
+    assert entry["param_shards"] == 2  # the int8 values split (their scales with them)
+    assert entry["swap_roundtrip"]
+    assert entry["max_logit_diff"] < 5e-5, entry
+    assert entry["max_logprob_diff"] < 1e-5, entry
+    assert entry["same_tokens"], entry
+
+
 def test_real_model_greedy_is_unchanged_under_sharding(report: dict[str, Any]) -> None:
     assert report["real"]["2"]["same_tokens"], report["real"]
     assert report["real"]["2"]["param_shards"] == 2

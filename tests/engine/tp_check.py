@@ -4,6 +4,7 @@ JSON object, keyed by case:
 
 - ``tiny``: a random model with 6 KV heads, so its pool is split by head over
   2 devices (3 a device) and replicated over 4;
+- ``tiny_int8``: the same with int8 weights, over 2 devices;
 - ``real``: the 270M's greedy tokens over 2 devices;
 - ``server``: the daemon (its real loader, the HTTP app, the tests' tiny
   config on the random model) with ``tensor_parallel = 2``: its greedy text
@@ -29,7 +30,7 @@ from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
 from kvd.engine.model import forward
 from kvd.engine.sampling import SamplingParams
-from kvd.engine.weights import random_params
+from kvd.engine.weights import quantised_params, random_params
 from kvd.kv.geometry import interleaved_kinds
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
@@ -123,6 +124,11 @@ def server_case() -> dict[str, object]:
     return {"same_text": text == expected, "texts": [expected, text]}
 
 
+def weight_values(weight: object) -> jax.Array:
+    """A weight's array, or an int8 weight's values (its scales share its sharding)."""
+    return getattr(weight, "values", weight)  # type: ignore[return-value]
+
+
 def first_layer(params: dict) -> dict:
     """The first layer's weights, per layer or layer-stacked (``scan_layers``)."""
     return params["stack"] if "stack" in params else params["layers"][0]
@@ -152,7 +158,7 @@ def compare(
                 for g, h in zip(out, base, strict=True)
                 for a, b in zip(g.logprobs, h.logprobs, strict=False)
             ),
-            "param_shards": len(first_layer(engine.params)["q"].sharding.device_set),
+            "param_shards": len(weight_values(first_layer(engine.params)["q"]).sharding.device_set),
             "pool_split": engine.pool.sharding.shard_shape(engine.pool.shape) != engine.pool.shape,
         }
         data = engine.copy_out([1, 2, 3])  # pages the run wrote, now free
@@ -176,6 +182,11 @@ def main() -> dict[str, object]:
     tiny_prompts = [[2, *range(10, 30)], [2, 5, 7], [2, *range(40, 49)]]
     # 30 new tokens: decodes well past the 12-token window.
     report["tiny"] = compare(tiny(), tiny_config, tiny_prompts, 30, (2, 4), with_logits=True)
+    # int8 weights, values and scales split together (o's 192 rows are 6
+    # blocks of 32: 3 a device over 2; over 4 the split would cut a block).
+    quantised = tiny()
+    quantised.params = quantised_params(quantised.params)
+    report["tiny_int8"] = compare(quantised, tiny_config, tiny_prompts, 30, (2,), with_logits=True)
     model = load_model("gemma3-270m", "float32")
     prompts = [model.tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):")]
     # Its layers scanned: the same sharding rules (stacked on a leading

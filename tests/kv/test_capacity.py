@@ -1,5 +1,7 @@
 """The seed's figures, and what kvd's allocator achieves, through the library."""
 
+import math
+
 from kvd.kv import preset
 from kvd.kv.capacity import capacity_report
 from kvd.kv.geometry import uniform_geometry
@@ -78,3 +80,19 @@ def test_int8_holds_at_least_1_9x_the_tokens_of_bf16_in_the_same_bytes() -> None
         int8 = capacity_report(preset(name).with_dtype("int8"), POOL).kvd
         assert bf16 is not None and int8 is not None
         assert int8.total_tokens >= 1.9 * bf16.total_tokens, name
+
+
+def test_parameter_counts_are_the_engine_presets() -> None:
+    from kvd.engine.config import PRESETS
+    from kvd.engine.weights import expected_shapes
+    from kvd.kv.capacity import PARAMETERS
+
+    for name, config in PRESETS.items():
+        layers = sum(
+            math.prod(shape)
+            for layer in range(config.num_layers)
+            for shape in expected_shapes(config, layer).values()
+        )
+        assert (
+            PARAMETERS[name] == config.vocab_size * config.hidden_size + config.hidden_size + layers
+        )

@@ -42,8 +42,10 @@ async def test_kvctl_status_top_and_usage_errors(tmp_path: Path) -> None:
         assert {t["name"] for t in data["tenants"]} == {"alice", "bob", "carol"}
         assert data["pool"]["pages"] > 0 and data["device"].startswith("simulated")
         assert data["rates"]["prefill_tokens_per_s"] > 0
+        assert data["model"]["quantization"] == "none" and data["model"]["weight_bytes"] == 0
         human = await kvctl(served, "status")
         assert human.returncode == 0 and b"TENANT" in human.stdout and b"alice" in human.stdout
+        assert b"weights float32, KV float32" in human.stdout, human.stdout
         top = await kvctl(served, "top", "--iterations", "2", "--interval", "0.1")
         assert top.returncode == 0 and top.stdout.count(b"TENANT") == 2
         usage = await kvctl(served, "tenant", "set", "bob")

@@ -48,6 +48,7 @@ def test_dev_config_matches_the_readme() -> None:
         ("[budget]\nmode = 'anarchy'\n" + TENANT, "budget.mode"),
         ("[sharing]\npolicy = 'everyone'\n" + TENANT, "sharing.policy"),
         ("[model]\ndtype = 'int4'\n" + TENANT, "model.dtype"),
+        ("[model]\nquantization = 'int4'\n" + TENANT, "model.quantization: 'int4' is not"),
         ("[pool]\nhost_size = 'lots'\n" + TENANT, "pool.host_size"),
         (TENANT + "host_quota = 'lots'\n", "tenants.alice.host_quota"),
         ("[model]\nkv_dtype = 'fp8'\n" + TENANT, "model.kv_dtype: 'fp8' is not one of"),

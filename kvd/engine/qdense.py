@@ -1,0 +1,118 @@
+"""Products with int8 weights (``kvd.engine.wquant.QuantWeight``) inside the
+model's programs, and the same products with float weights, so the model
+reads one way whatever the weights' format.
+
+Every form dequantises the weights exactly (the f32 numbers of the f32 load)
+and only then multiplies: results differ from the f32 model's by summation
+order alone. Which form is fastest was measured on XLA:CPU (2-core EPYC, jax
+0.10) with ``scripts/bench_weight_products.py``; ``kvd bench weights``
+measures the whole model:
+
+- a layer's matrix (at most 2048 x 640 for the 270M): the conversion left for
+  XLA to fuse into the product. Over 18 stacked layers that beat f32 at every
+  row count (2.4x at 2 rows, 2.0x at 32) and matched it at 512, and beat
+  dequantising into a scratch matrix first (1.7x slower at 32 rows);
+- the output projection (262,144 x 640): fused at one row (2.5x faster than
+  f32), but from two rows on XLA turns the fused form into a loop 7x slower
+  than f32. There the matrix is dequantised one vocabulary chunk at a time
+  into a small scratch (2,048 rows: 5 MB) and multiplied, which is as fast as
+  f32 or faster at every row count; its f32 form (0.67 GB) is never made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvd.engine.wquant import QuantWeight, block_axis, block_size
+
+# Rows up to which the output projection's conversion is fused into its product.
+FUSED_ROWS = 1
+# Vocabulary rows of the output projection dequantised at once past FUSED_ROWS
+# (1,024 to 4,096 measured alike; 8,192 and more up to 2x slower).
+HEAD_CHUNK = 2_048
+
+
+def dequantized(weight: QuantWeight, dtype: Any) -> jax.Array:
+    """The weight as a ``dtype`` matrix: ``values * scale - offset`` in f32
+    (exact), then cast (as the float load casts its f32 numbers). Scales are
+    broadcast over a blocked view of the values (a repeat would be a gather)."""
+    axis, size = block_axis(weight), block_size(weight)
+    shape = weight.values.shape
+    expand: tuple[Any, ...]
+    if axis == -1:  # [..., rows, blocks, size], a scale per (row, block)
+        blocked = (*shape[:-1], shape[-1] // size, size)
+        expand = (..., None)
+    else:  # [..., blocks, size, cols], a scale per (block, column)
+        blocked = (*shape[:-2], shape[-2] // size, size, shape[-1])
+        expand = (..., slice(None), None, slice(None))
+    out = weight.values.astype(jnp.float32).reshape(blocked) * weight.scale[expand]
+    if weight.offset is not None:
+        out = out - weight.offset[expand]
+    return out.reshape(shape).astype(dtype)
+
+
+def dense(x: jax.Array, weight: Any) -> jax.Array:
+    """``x @ weight`` for ``x [T, in]`` and a weight ``[in, out]``."""
+    if not isinstance(weight, QuantWeight):
+        return x @ weight
+    return x @ (dequantized(weight, x.dtype) * after(x))
+
+
+def after(x: jax.Array) -> jax.Array:
+    """Exactly 1, computed from ``x``: a factor that makes a matrix's
+    dequantisation wait for its input. Without it XLA:CPU, seeing that the
+    conversions depend on the weights alone, runs every layer's at the start
+    of the step into one scratch of the whole model's f32 form (94 MB for the
+    270M's MLPs; a 2-token step took 156 ms where 35 was due), and
+    ``optimization_barrier`` does not hold it (XLA:CPU drops barriers before
+    it schedules). ``1 + 0 * x`` is exactly 1 for any finite ``x``; a
+    non-finite ``x`` already makes the product NaN or infinite."""
+    return 1.0 + x[0, 0] * 0.0
+
+
+def embedding_rows(embed: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
+    """Rows ``tokens`` of the embedding ``[V, D]`` in ``dtype``."""
+    if not isinstance(embed, QuantWeight):
+        return embed[tokens]
+    rows = QuantWeight(
+        embed.values[tokens],
+        embed.scale[tokens],
+        None if embed.offset is None else embed.offset[tokens],
+    )
+    return dequantized(rows, dtype)
+
+
+def vocab_major_logits(embed: Any, last: jax.Array) -> jax.Array:
+    """``embed @ last.T``: logits ``[V, S]`` for hidden states ``last [S, D]``
+    from the tied embedding ``[V, D]`` (the output projection)."""
+    if not isinstance(embed, QuantWeight):
+        return (last @ embed.T).T
+    if last.shape[0] <= FUSED_ROWS:
+        return (last @ dequantized(embed, last.dtype).T).T
+    vocab = embed.values.shape[0]
+    chunks = vocab // HEAD_CHUNK
+    if chunks < 2:
+        return jax.lax.optimization_barrier(dequantized(embed, last.dtype)) @ last.T
+    whole = chunks * HEAD_CHUNK
+
+    def chunked(array: Any) -> Any:
+        if array is None:
+            return None
+        return array[:whole].reshape(chunks, HEAD_CHUNK, *array.shape[1:])
+
+    def one_chunk(part: QuantWeight) -> jax.Array:
+        return jax.lax.optimization_barrier(dequantized(part, last.dtype)) @ last.T
+
+    parts = QuantWeight(chunked(embed.values), chunked(embed.scale), chunked(embed.offset))
+    logits = jax.lax.map(one_chunk, parts).reshape(whole, last.shape[0])
+    if whole == vocab:
+        return logits
+    rest = QuantWeight(
+        embed.values[whole:],
+        embed.scale[whole:],
+        None if embed.offset is None else embed.offset[whole:],
+    )
+    return jnp.concatenate([logits, dequantized(rest, last.dtype) @ last.T])

@@ -1,0 +1,115 @@
+"""One streaming client against any OpenAI-compatible server (kvd, llama.cpp's
+llama-server, vLLM): requests one after another, each a shared ~450-token
+prompt and a question of its own, greedy, a fixed number of tokens. Prints the
+decode rate (tokens after the first over the time after the first), the mean
+gap between tokens, and TTFT.
+
+Run it against each server in turn, in one session, on a quiet machine:
+
+    .venv/bin/python scripts/bench_one_stream.py --url http://127.0.0.1:8000 --key kvd-dev-alice
+    .venv/bin/python scripts/bench_one_stream.py --url http://127.0.0.1:8090
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import httpx
+
+SHARED = (
+    "You are a careful assistant for a small public library. The library opens at nine in "
+    "the morning and closes at six in the evening on weekdays, and at one in the afternoon "
+    "on Saturdays; it is closed on Sundays and public holidays. Members may borrow up to "
+    "eight books at a time for three weeks, and may renew each loan twice unless another "
+    "member has reserved the book. Overdue books cost ten cents a day, up to the price of "
+    "the book. Children under twelve need a parent's signature to join. The reading room "
+    "on the first floor is quiet; the ground floor has the children's corner, the "
+    "newspapers and four public computers, which members may book for an hour at a time. "
+) * 4
+QUESTIONS = [
+    "When does the library close on Saturdays?",
+    "How many books can a member borrow?",
+    "How long is a loan?",
+    "What does an overdue book cost?",
+    "Who needs a parent's signature?",
+    "Where is the quiet reading room?",
+    "How long can a computer be booked?",
+    "Is the library open on Sunday?",
+    "How many times can a loan be renewed?",
+    "Where are the newspapers?",
+    "When does the library open on weekdays?",
+    "What is on the ground floor?",
+]
+
+
+def one_request(
+    client: httpx.Client, url: str, model: str, prompt: str, tokens: int
+) -> tuple[float, int, float]:
+    """(TTFT, tokens after the first, seconds from the first token to the last)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,  # kvd and vLLM; llama-server reads it too
+        "stream_options": {"include_usage": True},
+    }
+    produced = 0
+    start = time.perf_counter()
+    first: float | None = None
+    arrivals: list[float] = []
+    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                produced = chunk["usage"]["completion_tokens"]
+            if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:
+                arrivals.append(now - first)
+    assert first is not None and arrivals, "fewer than two chunks arrived"
+    # Tokens from the usage report (a chunk may carry several), else one a chunk.
+    after_first = (produced or len(arrivals) + 1) - 1
+    return first - start, after_first, arrivals[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--key", default=None, help="Bearer key (kvd's tenants need one).")
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    ttfts, rates, gaps = [], [], []
+    # A connection per request: llama-server closes idle kept-alive ones.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(headers=headers, timeout=300, limits=limits) as client:
+        one_request(client, args.url, args.model, SHARED + "Q: Hello?\nA:", 4)  # warm
+        for question in QUESTIONS[: args.requests]:
+            ttft, after_first, seconds = one_request(
+                client, args.url, args.model, f"{SHARED}Q: {question}\nA:", args.tokens
+            )
+            ttfts.append(ttft)
+            rates.append(after_first / seconds)
+            gaps.append(seconds / after_first)
+    print(
+        f"{args.url}: {len(ttfts)} requests, decode {statistics.median(rates):.1f} tok/s "
+        f"(median), gap {1e3 * statistics.median(gaps):.1f} ms, "
+        f"TTFT p50 {statistics.median(ttfts):.3f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
