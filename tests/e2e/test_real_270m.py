@@ -4,7 +4,8 @@ transformers loaded from the same GGUF file, and with the README's examples
 word for word.
 
 The daemon is the shipped ``etc/kvd.toml`` as an operator installs it (the
-embedded 270M, ``pool.size = "auto"``), with only its addresses and paths
+embedded 270M, its weights as int8 blocks by ``model.quantization``'s
+"auto", ``pool.size = "auto"``), with only its addresses and paths
 swapped for temporary ones. It is started first and compiles in its own
 process while this one loads the oracle; every test of the module shares
 the two. The last test checks that nothing the others sent made the daemon
@@ -291,6 +292,11 @@ def test_long_prompt_matches_transformers(
 def test_the_shipped_config_boots_with_an_auto_pool(shipped: DaemonProcess) -> None:
     pool = shipped.wait_for("lifecycle.pool")
     assert pool["pages"] > 0
+    # The embedded GGUF's matrices are all blocks: "auto" keeps them as int8
+    # (exactly), under a third of the f32 bytes; everything this module
+    # checks against transformers' f32 model runs on them.
+    assert pool["quantization"] == "int8" and pool["quantization_error"] == 0
+    assert pool["weight_bytes"] < 320 * 2**20
     # On a CPU "auto" stays within the host's share (at most 4 GiB).
     assert pool["pages"] * pool["page_bytes"] <= 4 << 30
     ready = shipped.wait_for("lifecycle.ready")
