@@ -24,13 +24,15 @@ import pytest
 
 _RUN_CACHE = "KVD_TEST_RUN_CACHE"
 
-# XLA's LLVM back end at -O0 in the test processes and the daemons they start:
-# the suite's engines are tiny, so compiling is most of their cost and running
-# the least, and -O0 compiles a third faster (tests/engine/test_parity.py: 152 s
-# at the default, 113 s at -O0, same results). Only LLVM's passes change: XLA's
-# own graph passes, its fusions and its library matmuls are the same, and
-# without fast-math LLVM keeps IEEE results at every level. The one daemon on
-# the shipped configuration (tests/e2e) runs with XLA's defaults.
+# XLA's LLVM back end at -O0 in the test processes (and the tensor-parallel
+# subprocess): their engines are tiny, so compiling is most of their cost, and
+# -O0 compiles a third faster (tests/engine/test_parity.py: 152 s at the
+# default, 113 s at -O0, same results). Only LLVM's passes change: XLA's own
+# graph passes, its fusions and its library matmuls are the same, and without
+# fast-math LLVM keeps IEEE results at every level. The daemons the tests start
+# keep XLA's defaults: they are the process as shipped, and some generate for
+# long (at -O0 the tiny model's sampling over 262k tokens ran too slowly for
+# the drain test's 600 tokens on a busy machine).
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 _MADE_BY = "KVD_TEST_RUN_CACHE_MADE_BY"
 
@@ -88,10 +90,9 @@ def kvd_cache() -> Path:
 @pytest.fixture(scope="session")
 def daemon_env(kvd_cache: Path) -> dict[str, str]:
     """The environment of the daemons the tests start: this process's cache,
-    JAX on the CPU with one device and the tests' XLA flags (a
-    tensor-parallel check adds its devices)."""
+    JAX on the CPU with one device and XLA's default flags."""
     env = dict(os.environ)
     env["KVD_CACHE_DIR"] = str(kvd_cache)
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = TEST_XLA_FLAGS
+    env.pop("XLA_FLAGS", None)
     return env

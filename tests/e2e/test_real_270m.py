@@ -86,8 +86,7 @@ def shipped_process(
 ) -> Iterator[DaemonProcess]:
     """Started, listening, maybe still compiling (``shipped`` waits for ready)."""
     config = shipped_config(tmp_path_factory.mktemp("kvd-shipped"))
-    shipped_env = {k: v for k, v in daemon_env.items() if k != "XLA_FLAGS"}  # XLA's defaults
-    daemon = DaemonProcess(config, shipped_env, ready_timeout=900, wait_ready=False)
+    daemon = DaemonProcess(config, daemon_env, ready_timeout=900, wait_ready=False)
     yield daemon
     assert daemon.terminate() == 0, daemon.tail()
 
