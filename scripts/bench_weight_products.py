@@ -1,10 +1,11 @@
 """The products with int8 weights, form by form, against f32 (XLA on this
 machine's backend): what ``kvd/engine/qdense.py`` chooses from.
 
-- 18 stacked layer matrices (640 x 2048, the 270M's MLP shape, 94 MB in f32:
-  more than the caches hold, as in the model) under one ``lax.scan``:
-  f32, the conversion fused into the product, and dequantised into a scratch
-  matrix first (an optimisation barrier);
+- 18 layer matrices (640 x 2048, the 270M's MLP shape, 94 MB in f32: more
+  than the caches hold, as in the model), unrolled as the engine runs them:
+  f32, the conversion where it is multiplied with nothing ordering it (XLA
+  then converts every layer at the start, into a scratch of them all), and
+  the form kvd uses, each conversion made to wait for its layer's input;
 - the output projection (262,144 x 640): f32, fused, and dequantised a
   vocabulary chunk at a time (several chunk sizes).
 
@@ -21,6 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kvd.engine.qdense import after
 
 LAYERS, WIDTH, FFN = 18, 640, 2048
 VOCAB = 262_144
@@ -52,11 +55,10 @@ def by_cols(values: Any, scale: Any) -> Any:  # blocks along axis 1 of [V, D]
 
 
 def layer_stack(product: Callable[[Any, Any], Any]) -> Any:
-    def run(x: Any, weights: Any) -> Any:
-        def one(carry: Any, weight: Any) -> tuple[Any, None]:
-            return jnp.tanh(product(carry, weight))[:, :WIDTH], None
-
-        return jax.lax.scan(one, x, weights)[0]
+    def run(x: Any, weights: list[Any]) -> Any:
+        for weight in weights:
+            x = jnp.tanh(product(x, weight))[:, :WIDTH]
+        return x
 
     return jax.jit(run)
 
@@ -80,21 +82,24 @@ def main() -> None:
     rows = [int(r) for r in parser.parse_args().rows.split(",")]
     rng = np.random.default_rng(0)
     put = jax.device_put
-    layers_f32 = put(rng.standard_normal((LAYERS, WIDTH, FFN)).astype(np.float32))
-    layers_int8 = (
-        put(rng.integers(-127, 128, (LAYERS, WIDTH, FFN)).astype(np.int8)),
-        put(rng.random((LAYERS, WIDTH // BLOCK, FFN)).astype(np.float32)),
-    )
+    layers_f32 = [put(rng.standard_normal((WIDTH, FFN)).astype(np.float32)) for _ in range(LAYERS)]
+    layers_int8 = [
+        (
+            put(rng.integers(-127, 128, (WIDTH, FFN)).astype(np.int8)),
+            put(rng.random((WIDTH // BLOCK, FFN)).astype(np.float32)),
+        )
+        for _ in range(LAYERS)
+    ]
     f32 = layer_stack(lambda x, w: x @ w)
-    fused = layer_stack(lambda x, w: x @ by_rows(*w))
-    scratch = layer_stack(lambda x, w: x @ jax.lax.optimization_barrier(by_rows(*w)))
-    print(f"{LAYERS} layers of {WIDTH}x{FFN} (ms per pass)")
+    unordered = layer_stack(lambda x, w: x @ by_rows(*w))
+    ordered = layer_stack(lambda x, w: x @ (by_rows(*w) * after(x)))
+    print(f"{LAYERS} layers of {WIDTH}x{FFN}, unrolled (ms per pass)")
     for n in rows:
         x = put(rng.standard_normal((n, WIDTH)).astype(np.float32))
         print(
             f"  rows {n:4d}: f32 {best_ms(f32, x, layers_f32):8.2f}  "
-            f"fused {best_ms(fused, x, layers_int8):8.2f}  "
-            f"scratch {best_ms(scratch, x, layers_int8):8.2f}",
+            f"unordered {best_ms(unordered, x, layers_int8):8.2f}  "
+            f"kvd {best_ms(ordered, x, layers_int8):8.2f}",
             flush=True,
         )
     del layers_f32, layers_int8

@@ -8,15 +8,17 @@ order alone. Which form is fastest was measured on XLA:CPU (2-core EPYC, jax
 0.10) with ``scripts/bench_weight_products.py``; ``kvd bench weights``
 measures the whole model:
 
-- a layer's matrix (at most 2048 x 640 for the 270M): the conversion left for
-  XLA to fuse into the product. Over 18 stacked layers that beat f32 at every
-  row count (2.4x at 2 rows, 2.0x at 32) and matched it at 512, and beat
-  dequantising into a scratch matrix first (1.7x slower at 32 rows);
+- a layer's matrix (at most 2048 x 640 for the 270M): converted where it is
+  multiplied (XLA writes it to a small f32 scratch, in cache, and runs its
+  GEMM), each layer's conversion made to wait for that layer's input (see
+  ``after``). Over 18 unrolled layers of the MLP's shape, two runs: 1.3x to
+  2.2x f32's speed at 1 to 8 rows, 0.9x to 1.2x at 32 to 128 rows (the
+  conversion's extra pass against a GEMM that no longer waits on memory);
 - the output projection (262,144 x 640): fused at one row (2.5x faster than
-  f32), but from two rows on XLA turns the fused form into a loop 7x slower
+  f32), but from two rows on XLA turns the fused form into a loop 6x slower
   than f32. There the matrix is dequantised one vocabulary chunk at a time
-  into a small scratch (2,048 rows: 5 MB) and multiplied, which is as fast as
-  f32 or faster at every row count; its f32 form (0.67 GB) is never made.
+  into a small scratch (2,048 rows: 5 MB) and multiplied: 1.4x to 1.9x f32's
+  speed at 2 to 8 rows, 0.87x at 32; its f32 form (0.67 GB) is never made.
 """
 
 from __future__ import annotations
