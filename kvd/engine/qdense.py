@@ -79,12 +79,13 @@ def embedding_rows(embed: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
     """Rows ``tokens`` of the embedding ``[V, D]`` in ``dtype``."""
     if not isinstance(embed, QuantWeight):
         return embed[tokens]
-    rows = QuantWeight(
-        embed.values[tokens],
-        embed.scale[tokens],
-        None if embed.offset is None else embed.offset[tokens],
-    )
-    return dequantized(rows, dtype)
+    return dequantized(_rows(embed, tokens), dtype)
+
+
+def _rows(weight: QuantWeight, index: Any) -> QuantWeight:
+    """Rows ``index`` of a weight blocked along its rows' last axis."""
+    offset = None if weight.offset is None else weight.offset[index]
+    return QuantWeight(weight.values[index], weight.scale[index], offset)
 
 
 def vocab_major_logits(embed: Any, last: jax.Array) -> jax.Array:
@@ -112,9 +113,5 @@ def vocab_major_logits(embed: Any, last: jax.Array) -> jax.Array:
     logits = jax.lax.map(one_chunk, parts).reshape(whole, last.shape[0])
     if whole == vocab:
         return logits
-    rest = QuantWeight(
-        embed.values[whole:],
-        embed.scale[whole:],
-        None if embed.offset is None else embed.offset[whole:],
-    )
+    rest = _rows(embed, slice(whole, None))
     return jnp.concatenate([logits, dequantized(rest, last.dtype) @ last.T])
