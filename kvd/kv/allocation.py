@@ -19,20 +19,30 @@ from kvd.kv.columns import (
 from kvd.kv.events import CPU
 from kvd.kv.prefix import PrefixCache
 from kvd.kv.records import Demand, KVError, PrefixHit
+from kvd.kv.registry import SequenceRegistry
 from kvd.kv.sequence import KVState, Sequence
 
 
-class Allocation(PrefixCache):
+class Allocator:
+    """Changes: the pages sequences hold (``pool.take``/``touch``), their tables,
+    block counts, allocated counts and state from waiting to resident; the
+    host tier's claims (a reload); the registry's prefix counters and the
+    public prefixes' hit counts."""
+
+    def __init__(self, registry: SequenceRegistry, prefix: PrefixCache) -> None:
+        self.registry = registry
+        self.prefix = prefix
+
     def demand(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> Demand:
         """What ``allocate(seq, num_tokens, hit)`` would take; changes nothing."""
         computed, blocks = self._start_point(seq, num_tokens, hit)
-        needed_blocks = -(-(computed + num_tokens) // self.block_size)
-        fresh = max(0, needed_blocks - blocks) * self.num_groups
+        needed_blocks = -(-(computed + num_tokens) // self.registry.block_size)
+        fresh = max(0, needed_blocks - blocks) * self.registry.num_groups
         reused = charged = 0
         if hit is not None:
             fresh += len(hit.reloads)  # host-tier blocks come back into fresh pages
             charged += len(hit.reloads)
-            holders, public = self.pool.holders, self.pool.public
+            holders, public = self.registry.pool.holders, self.registry.pool.public
             for table in hit.pages:
                 for page in table:
                     if page and holders[page] is None:
@@ -43,7 +53,7 @@ class Allocation(PrefixCache):
     def _start_point(
         self, seq: Sequence, num_tokens: int, hit: PrefixHit | None
     ) -> tuple[int, int]:
-        self._own(seq)
+        self.registry.own(seq)
         if num_tokens < 1:
             raise KVError("allocate at least one token")
         if seq.state is KVState.WAITING:
@@ -64,17 +74,7 @@ class Allocation(PrefixCache):
 
     def can_allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         demand = self.demand(seq, num_tokens, hit)
-        return self.fits(seq.tenant, demand)
-
-    def fits(self, tenant: str, demand: Demand) -> bool:
-        """Idle pages suffice, and new charges (if any) stay within the budget.
-
-        A tenant over its budget (after a live cut) may still fill the blocks
-        it holds: only new charges are refused.
-        """
-        return demand.idle_pages <= self.pool.num_idle() and (
-            demand.charges == 0 or demand.charges <= self.ledger.headroom(tenant)
-        )
+        return self.registry.fits(seq.tenant, demand)
 
     def extend_in_place(self, seq: Sequence, num_tokens: int) -> bool:
         """The decode fast path: slots for ``num_tokens`` more tokens of a resident
@@ -84,9 +84,9 @@ class Allocation(PrefixCache):
         if (
             seq.state is KVState.RESIDENT
             and num_tokens >= 1
-            and new <= seq.num_blocks * self.block_size
+            and new <= seq.num_blocks * self.registry.block_size
             and new <= len(seq.tokens)
-            and self.sequences.get(seq.seq_id) is seq
+            and self.registry.sequences.get(seq.seq_id) is seq
         ):
             seq.num_allocated = new
             return True
@@ -99,9 +99,11 @@ class Allocation(PrefixCache):
         """
         refused = self.try_allocate(seq, num_tokens, hit)
         if refused is not None:
+            registry = self.registry
             raise KVError(
                 f"cannot allocate {refused.idle_pages} pages for tenant {seq.tenant!r}: "
-                f"{self.pool.num_idle()} idle, headroom {self.ledger.headroom(seq.tenant)}"
+                f"{registry.pool.num_idle()} idle, "
+                f"headroom {registry.ledger.headroom(seq.tenant)}"
             )
 
     def try_allocate(
@@ -115,59 +117,61 @@ class Allocation(PrefixCache):
         if hit is not None:
             if hit.seq_id != seq.seq_id:
                 raise KVError(f"prefix hit of sequence {hit.seq_id} given for {seq.seq_id}")
-            if not self.hit_is_current(hit):
+            if not self.registry.hit_is_current(hit):
                 raise KVError("stale prefix hit: the cache or sharing changed since the lookup")
-        if not self.fits(seq.tenant, demand):
+        if not self.registry.fits(seq.tenant, demand):
             return demand
         if seq.state is KVState.WAITING:
             self._start(seq, hit)
-        needed = -(-(seq.num_computed + num_tokens) // self.block_size) - seq.num_blocks
+        needed = -(-(seq.num_computed + num_tokens) // self.registry.block_size) - seq.num_blocks
         if needed > 0:
-            pages = self.pool.take(seq.tenant, needed * self.num_groups)
+            pages = self.registry.pool.take(seq.tenant, needed * self.registry.num_groups)
             for g, table in enumerate(seq.tables):
                 table += pages[g * needed : (g + 1) * needed]
             seq.num_blocks += needed
-            seq.table_version = next(self._stamps)
+            seq.table_version = self.registry.stamp()
         seq.num_allocated = seq.num_computed + num_tokens
         return None
 
     def _grow(self, seq: Sequence, num_tokens: int) -> Demand | None:
         """``try_allocate`` for a resident sequence: fresh pages only, no hit.
         (A decode crossing into a new block comes here; it is 1 in 16 of them.)"""
-        self._own(seq)
+        self.registry.own(seq)
         new = seq.num_computed + num_tokens
         if num_tokens < 1 or new > len(seq.tokens):
             raise KVError(
                 f"sequence {seq.seq_id} has {len(seq.tokens)} tokens; cannot compute "
                 f"{num_tokens} more after {seq.num_computed}"
             )
-        needed = -(-new // self.block_size) - seq.num_blocks
+        needed = -(-new // self.registry.block_size) - seq.num_blocks
         if needed > 0:
-            fresh = needed * self.num_groups
-            if fresh > self.pool.num_idle() or fresh > self.ledger.headroom(seq.tenant):
+            fresh = needed * self.registry.num_groups
+            if fresh > self.registry.pool.num_idle() or fresh > self.registry.ledger.headroom(
+                seq.tenant
+            ):
                 return Demand(fresh, 0, fresh)
-            pages = self.pool.take(seq.tenant, fresh)
+            pages = self.registry.pool.take(seq.tenant, fresh)
             for g, table in enumerate(seq.tables):
                 table += pages[g * needed : (g + 1) * needed]
             seq.num_blocks += needed
-            seq.table_version = next(self._stamps)
+            seq.table_version = self.registry.stamp()
         seq.num_allocated = new
         return None
 
     def _start(self, seq: Sequence, hit: PrefixHit | None) -> None:
         if seq.scope is None:
-            self._ensure_scope(seq)
+            self.prefix.ensure_scope(seq)
         seq.state = KVState.RESIDENT
         # The hit rate counts each request once, as its own cached_tokens does:
         # a preempted sequence re-finding its own blocks is not a prefix hit.
         first = seq.starts == 0
         seq.starts += 1
         if first:
-            self.prefix_query_tokens += len(seq.tokens)
+            self.registry.prefix_query_tokens += len(seq.tokens)
         if hit is None or hit.num_blocks == 0:
             seq.cached_tokens = 0
             return
-        touch, tenant = self.pool.touch, seq.tenant
+        touch, tenant = self.registry.pool.touch, seq.tenant
         for table, pages in zip(seq.tables, hit.pages, strict=True):
             for page in pages:
                 if page:
@@ -176,18 +180,18 @@ class Allocation(PrefixCache):
         if hit.reloads:
             self._reload(seq, hit)
         seq.num_blocks = hit.num_blocks
-        seq.table_version = next(self._stamps)
+        seq.table_version = self.registry.stamp()
         seq.num_computed = seq.num_allocated = seq.cached_tokens = hit.num_tokens
         seq.sliding_start = hit.sliding_start
         seq.registered = hit.num_blocks
         if not first:
             return
-        self.prefix_hit_tokens += hit.num_tokens
-        self.host_hit_tokens += hit.reload_blocks * self.block_size
+        self.registry.prefix_hit_tokens += hit.num_tokens
+        self.registry.host_hit_tokens += hit.reload_blocks * self.registry.block_size
         name = hit.scope.public_prefix
-        if name is not None and name in self.public:
-            served = min(hit.num_blocks, hit.scope.public_blocks) * self.block_size
-            self.public.hits[name] += served
+        if name is not None and name in self.registry.public:
+            served = min(hit.num_blocks, hit.scope.public_blocks) * self.registry.block_size
+            self.registry.public.hits[name] += served
 
     def _reload(self, seq: Sequence, hit: PrefixHit) -> None:
         """Fresh pages for the hit's host-tier blocks, queued to be copied in,
@@ -195,23 +199,23 @@ class Allocation(PrefixCache):
         tier before pages are taken, so the evictions taking them may cause
         cannot drop them."""
         assert seq.scope is not None
-        hashes = self._extend_hashes(seq, hit.num_blocks)
+        hashes = self.prefix.extend_hashes(seq, hit.num_blocks)
         keys = [(g, hashes[block]) for g, block in hit.reloads]
-        claimed = [self.host.claim(key) for key in keys]
-        pages = self.pool.take(seq.tenant, len(keys))
-        live = self.public.live_ids()
+        claimed = [self.registry.host.claim(key) for key in keys]
+        pages = self.registry.pool.take(seq.tenant, len(keys))
+        live = self.registry.public.live_ids()
         for (g, block), key, held, page in zip(hit.reloads, keys, claimed, pages, strict=True):
             seq.tables[g][block] = page
-            self.host.copy_in(held, page)
+            self.registry.host.copy_in(held, page)
             public = held.public & live if held.public is not None else None
-            registered = (held.public is None or bool(public)) and self.pool.register(
+            registered = (held.public is None or bool(public)) and self.registry.pool.register(
                 page, key, public or None
             )
-            if self.pool.events is not None:
+            if self.registry.pool.events is not None:
                 if registered:
-                    self.pool.events.reloaded(key)
+                    self.registry.pool.events.reloaded(key)
                 else:  # left the host tier, not findable on the device
-                    self.pool.events.removed(key, CPU)
+                    self.registry.pool.events.removed(key, CPU)
 
     def extend_decodes(
         self,
@@ -233,34 +237,34 @@ class Allocation(PrefixCache):
         if not seqs:
             return []
         if slots is None:
-            slots = self.slots_of(seqs)
+            slots = self.registry.slots_of(seqs)
         if block is None:
-            block = self.columns.matrix[:, slots]
+            block = self.registry.columns.matrix[:, slots]
         computed = block[COMPUTED]
         decode = (block[RESIDENT] == 1) & (block[LENGTH] == computed + 1)
-        capacity = block[BLOCKS] * self.block_size
+        capacity = block[BLOCKS] * self.registry.block_size
         fits = decode & (computed < capacity)
         left = np.flatnonzero(~fits)
         all_at_boundary = bool((decode[left] & (computed[left] == capacity[left])).all())
         if len(left) and all_at_boundary and self._grow_by_one_block([seqs[i] for i in left]):
             fits[left] = True
             left = left[:0]
-        matrix = self.columns.matrix
+        matrix = self.registry.columns.matrix
         matrix[ALLOCATED, slots] = np.where(fits, computed + 1, block[ALLOCATED])
         return left.tolist()  # type: ignore[no-any-return]
 
     def _grow_by_one_block(self, seqs: list[Sequence]) -> bool:
         """A new block for each of ``seqs``, if the idle pages and every tenant's
         budget allow all of them; otherwise change nothing and return False."""
-        groups = self.num_groups
+        groups = self.registry.num_groups
         per_tenant: dict[str, int] = {}
         for seq in seqs:
             per_tenant[seq.tenant] = per_tenant.get(seq.tenant, 0) + groups
-        if len(seqs) * groups > self.pool.num_idle() or any(
-            pages > self.ledger.headroom(tenant) for tenant, pages in per_tenant.items()
+        if len(seqs) * groups > self.registry.pool.num_idle() or any(
+            pages > self.registry.ledger.headroom(tenant) for tenant, pages in per_tenant.items()
         ):
             return False
-        take, edits = self.pool.take, self.table_edits
+        take, edits = self.registry.pool.take, self.registry.table_edits
         for seq in seqs:
             block = seq.num_blocks
             pages = take(seq.tenant, groups)
@@ -270,5 +274,5 @@ class Allocation(PrefixCache):
                     edits.append((seq.slot, g, block, page))
             seq.num_blocks = block + 1
             if edits is None:
-                seq.table_version = next(self._stamps)
+                seq.table_version = self.registry.stamp()
         return True

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from kvd.kv.allocation import Allocation
 from kvd.kv.columns import (
     ALLOCATED,
     COMPUTED,
@@ -16,18 +15,28 @@ from kvd.kv.columns import (
     SLIDING_START,
 )
 from kvd.kv.pool import NULL_PAGE
+from kvd.kv.prefix import PrefixCache
 from kvd.kv.records import KVError
+from kvd.kv.registry import SequenceRegistry
 from kvd.kv.sequence import KVState, Sequence
 
 
-class Commit(Allocation):
+class Committer:
+    """Changes: sequences' computed counts, sliding starts and tables as
+    windows slide; pages dropped back to the pool; a released sequence's
+    state (back to waiting) and a finished one's removal from the registry."""
+
+    def __init__(self, registry: SequenceRegistry, prefix: PrefixCache) -> None:
+        self.registry = registry
+        self.prefix = prefix
+
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """The engine wrote K/V for the next ``num_tokens`` tokens.
 
         Newly full blocks enter the prefix cache; sliding groups release the
         blocks no future query can see.
         """
-        self._own(seq)
+        self.registry.own(seq)
         if seq.state is not KVState.RESIDENT:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
         old = seq.num_computed
@@ -35,11 +44,14 @@ class Commit(Allocation):
         if num_tokens < 1 or new > seq.num_allocated:
             raise KVError(f"cannot commit {num_tokens} tokens to sequence {seq.seq_id}")
         seq.num_computed = new
-        bs = self.block_size
+        bs = self.registry.block_size
         if new // bs > seq.registered:
-            self._register_blocks(seq, seq.registered, new // bs)
-        if self.window is not None and new - self.window + 1 >= (seq.sliding_start + 1) * bs:
-            self._slide(seq, self.first_needed_block(new))
+            self.prefix.register_blocks(seq, seq.registered, new // bs)
+        if (
+            self.registry.window is not None
+            and new - self.registry.window + 1 >= (seq.sliding_start + 1) * bs
+        ):
+            self._slide(seq, self.registry.first_needed_block(new))
 
     def commit_batch(
         self,
@@ -57,8 +69,8 @@ class Commit(Allocation):
         if not seqs:
             return
         if slots is None:
-            slots = self.slots_of(seqs)
-        block = self.columns.matrix[:, slots]
+            slots = self.registry.slots_of(seqs)
+        block = self.registry.columns.matrix[:, slots]
         counts_array = np.asarray(counts, np.int64)
         old = block[COMPUTED]
         new = old + counts_array
@@ -70,11 +82,11 @@ class Commit(Allocation):
                 if count < 1 or seq.num_computed + count > seq.num_allocated:
                     raise KVError(f"cannot commit {count} tokens to sequence {seq.seq_id}")
             raise KVError("a sequence appears twice in one commit")
-        self.columns.matrix[COMPUTED, slots] = new
-        bs = self.block_size
+        self.registry.columns.matrix[COMPUTED, slots] = new
+        bs = self.registry.block_size
         for i in np.flatnonzero(new // bs > old // bs).tolist():
             seq = seqs[i]
-            self._register_blocks(seq, seq.registered, int(new[i]) // bs)
+            self.prefix.register_blocks(seq, seq.registered, int(new[i]) // bs)
         self._slide_moved(seqs, block, new)
 
     def commit_decodes(
@@ -90,7 +102,7 @@ class Commit(Allocation):
         ) != len(seqs):
             self.commit_batch(seqs, [1] * len(seqs), slots)  # raises the precise error
             return
-        self.columns.matrix[COMPUTED, slots] = new
+        self.registry.columns.matrix[COMPUTED, slots] = new
         # The blocks decodes fill enter the prefix cache when the sequence lets go
         # of its pages (``_drop_all``), as SGLang inserts a request's output when
         # it finishes: hashing and indexing one block per sequence every
@@ -102,16 +114,18 @@ class Commit(Allocation):
     ) -> None:
         """After a batched commit to ``new`` computed tokens (``block``: the
         columns before it), slide the windows that moved past a block."""
-        if self.window is None:
+        if self.registry.window is None:
             return
-        moved = new - self.window + 1 >= (block[SLIDING_START] + 1) * self.block_size
+        moved = (
+            new - self.registry.window + 1 >= (block[SLIDING_START] + 1) * self.registry.block_size
+        )
         for i in np.flatnonzero(moved).tolist():
-            self._slide(seqs[i], self.first_needed_block(int(new[i])))
+            self._slide(seqs[i], self.registry.first_needed_block(int(new[i])))
 
     def _slide(self, seq: Sequence, first_needed: int) -> None:
-        drop, tenant, edits = self.pool.drop, seq.tenant, self.table_edits
+        drop, tenant, edits = self.registry.pool.drop, seq.tenant, self.registry.table_edits
         for block in range(first_needed - 1, seq.sliding_start - 1, -1):
-            for g in self.sliding_groups:
+            for g in self.registry.sliding_groups:
                 table = seq.tables[g]
                 page = table[block]
                 if page:
@@ -121,7 +135,7 @@ class Commit(Allocation):
                         edits.append((seq.slot, g, block, NULL_PAGE))
         seq.sliding_start = first_needed
         if edits is None:
-            seq.table_version = next(self._stamps)
+            seq.table_version = self.registry.stamp()
 
     def release(self, seq: Sequence) -> None:
         """Drop every page (preemption by recompute, or the end of a sequence).
@@ -130,7 +144,7 @@ class Commit(Allocation):
         full blocks stay cached, tail first in the LRU, so a re-prefill finds
         as much of itself as the pool could keep.
         """
-        self._own(seq)
+        self.registry.own(seq)
         if seq.state is KVState.SWAPPING_OUT:
             raise KVError("finish a swap-out before releasing the sequence")
         self._drop_all(seq)
@@ -143,17 +157,17 @@ class Commit(Allocation):
 
     def finish(self, seq: Sequence) -> None:
         """Release every page and forget the sequence."""
-        self._own(seq)
+        self.registry.own(seq)
         if seq.state is KVState.SWAPPING_OUT:
             raise KVError("finish a swap-out before removing the sequence")
         self.release(seq)
         seq.state = KVState.RELEASED
-        del self.sequences[seq.seq_id]
+        del self.registry.sequences[seq.seq_id]
         seq.detach()
 
     def _drop_all(self, seq: Sequence) -> None:
-        self._register_pending(seq)  # what decode steps filled stays findable
-        drop, tenant = self.pool.drop, seq.tenant
+        self.prefix.register_pending(seq)  # what decode steps filled stays findable
+        drop, tenant = self.registry.pool.drop, seq.tenant
         held_blocks = len(seq.tables[0])  # 0 once swapped out, num_blocks otherwise
         for block in range(held_blocks - 1, -1, -1):
             for table in seq.tables:
@@ -167,4 +181,4 @@ class Commit(Allocation):
                 for page in group.values():
                     drop(page, tenant)
             seq.kept = None
-        seq.table_version = next(self._stamps)
+        seq.table_version = self.registry.stamp()

@@ -4,11 +4,11 @@ refcounts equal block-table references, tables consistent, columns true."""
 from __future__ import annotations
 
 from kvd.kv.columns import LAST_TOKEN, LENGTH, RESIDENT
-from kvd.kv.core import KVCore
+from kvd.kv.registry import SequenceRegistry
 from kvd.kv.sequence import KVState
 
 
-def check_invariants(kv: KVCore) -> None:
+def check_invariants(kv: SequenceRegistry) -> None:
     """Refcounts equal block-table references; tables are consistent."""
     kv.pool.check_invariants()
     refs: dict[int, dict[str, int]] = {}

@@ -25,29 +25,116 @@ every block wholly below ``c - window + 1`` goes back to the pool (into the
 LRU cache if it is full, so a later request with the same prefix can still
 use it). A short sequence therefore never pays the eager window floor.
 
-The manager is built in layers, one concept per module: ``core.py`` (state,
-sequences), ``prefix.py`` (lookup and caching), ``allocation.py`` (growing),
-``commit.py`` (commits, sliding, release), ``swap.py``, ``hosttier.py``
-(cached blocks kept in host memory after eviction); ``invariants.py``
-checks the whole. This module adds live configuration and reporting.
+The manager is composed of parts, one concept per module, that share one
+record, ``registry.py`` (the pool, the ledger, the host tier, the live
+sequences), each saying which of its fields it changes: ``prefix.py`` (lookup
+and caching), ``allocation.py`` (growing), ``commit.py`` (commits, sliding,
+release), ``swap.py`` (to host memory and back); ``hosttier.py`` keeps
+cached blocks in host memory after eviction, and ``invariants.py`` checks the
+whole. The manager holds the parts, forwards their interface, and owns live
+configuration (tenants, sharing, the host tier's size) and reporting.
 """
 
 from __future__ import annotations
 
+from kvd.kv.allocation import Allocator
+from kvd.kv.commit import Committer
 from kvd.kv.events import CPU, FULL_ATTENTION, GPU, SLIDING_WINDOW, GroupSpec, KVEventLog
 from kvd.kv.events import PrivateBlocks as PrivateBlocks
 from kvd.kv.geometry import AttentionKind
 from kvd.kv.invariants import check_invariants
 from kvd.kv.layout import PageLayout
 from kvd.kv.ledger import BudgetMode, TenantBudget
+from kvd.kv.prefix import PrefixCache
 from kvd.kv.records import Demand, KVError, KVStats, PageCopy, PrefixHit
+from kvd.kv.registry import SequenceRegistry
 from kvd.kv.scope import SharingPolicy
-from kvd.kv.swap import Swapping
+from kvd.kv.swap import Swapper
 
 __all__ = ["Demand", "KVError", "KVManager", "KVStats", "PageCopy", "PrefixHit"]
 
 
-class KVManager(Swapping):
+class KVManager:
+    def __init__(
+        self,
+        layout: PageLayout,
+        num_pages: int,
+        *,
+        mode: BudgetMode = BudgetMode.RESERVE,
+        policy: SharingPolicy = SharingPolicy.PUBLIC,
+    ) -> None:
+        self.registry = registry = SequenceRegistry(layout, num_pages, mode=mode, policy=policy)
+        self.prefix_cache = prefix = PrefixCache(registry)
+        self.allocator = allocator = Allocator(registry, prefix)
+        self.committer = committer = Committer(registry, prefix)
+        self.swapper = swapper = Swapper(registry, prefix)
+        # What the registry holds for good, readable here as the manager's own.
+        self.layout = layout
+        self.block_size = registry.block_size
+        self.ledger = registry.ledger
+        self.pool = registry.pool
+        self.host = registry.host
+        self.public = registry.public
+        self.sequences = registry.sequences
+        self.columns = registry.columns
+        self.num_groups = registry.num_groups
+        self.global_groups = registry.global_groups
+        self.sliding_groups = registry.sliding_groups
+        self.window = registry.window
+        # The parts' interface, bound once (a step calls several of these).
+        self.add_sequence = registry.add_sequence
+        self.append_tokens = registry.append_tokens
+        self.append_decoded = registry.append_decoded
+        self.slots_of = registry.slots_of
+        self.fits = registry.fits
+        self.cache_epoch = registry.cache_epoch
+        self.hit_is_current = registry.hit_is_current
+        self.log_table_edits = registry.log_table_edits
+        self.lookup = prefix.lookup
+        self.demand = allocator.demand
+        self.can_allocate = allocator.can_allocate
+        self.allocate = allocator.allocate
+        self.try_allocate = allocator.try_allocate
+        self.extend_in_place = allocator.extend_in_place
+        self.extend_decodes = allocator.extend_decodes
+        self.commit = committer.commit
+        self.commit_batch = committer.commit_batch
+        self.commit_decodes = committer.commit_decodes
+        self.release = committer.release
+        self.finish = committer.finish
+        self.shared_prefix_tokens = swapper.shared_prefix_tokens
+        self.swap_out_pages = swapper.swap_out_pages
+        self.begin_swap_out = swapper.begin_swap_out
+        self.abort_swap_out = swapper.abort_swap_out
+        self.finish_swap_out = swapper.finish_swap_out
+        self.swap_in_demand = swapper.swap_in_demand
+        self.can_swap_in = swapper.can_swap_in
+        self.swap_in = swapper.swap_in
+
+    @property
+    def policy(self) -> SharingPolicy:
+        return self.registry.policy
+
+    @property
+    def generation(self) -> int:
+        return self.registry.generation
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        return self.registry.prefix_query_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.registry.prefix_hit_tokens
+
+    @property
+    def host_hit_tokens(self) -> int:
+        return self.registry.host_hit_tokens
+
+    @property
+    def table_edits(self) -> list[tuple[int, int, int, int]] | None:
+        return self.registry.table_edits
+
     @classmethod
     def for_pool_bytes(cls, layout: PageLayout, pool_bytes: int, **kwargs: object) -> KVManager:
         return cls(layout, layout.num_pages(pool_bytes), **kwargs)  # type: ignore[arg-type]
@@ -99,8 +186,8 @@ class KVManager(Swapping):
 
     def set_policy(self, policy: SharingPolicy) -> None:
         """Switch the sharing policy; it scopes every lookup from now on."""
-        self.policy = SharingPolicy(policy)
-        self.generation += 1
+        self.registry.policy = SharingPolicy(policy)
+        self.registry.generation += 1
 
     def add_public_prefix(self, name: str, tokens: list[int]) -> None:
         """Register a public prefix; refused if its pages would break reservations."""
@@ -110,7 +197,7 @@ class KVManager(Swapping):
             raise ValueError("a public prefix needs at least one token")
         self.ledger.set_public_bound(self._public_bound(extra=len(tokens)))
         self.public.add(name, tokens)
-        self.generation += 1
+        self.registry.generation += 1
 
     def remove_public_prefix(self, name: str) -> None:
         """Unregister a public prefix; its pages that no other prefix covers
@@ -119,7 +206,7 @@ class KVManager(Swapping):
         self.pool.unpublish(prefix_id)
         self.host.drop_where(public_id=prefix_id)
         self.ledger.set_public_bound(self._public_bound())
-        self.generation += 1
+        self.registry.generation += 1
 
     def _public_bound(self, extra: int = 0) -> int:
         lengths = [len(tokens) for _, tokens in self.public.items()] + [extra]
@@ -157,7 +244,7 @@ class KVManager(Swapping):
         """Refcounts equal block-table references; tables are consistent;
         the host tier's charges and quotas hold, and it shares no key with
         the device."""
-        check_invariants(self)
+        check_invariants(self.registry)
         self.host.check_invariants()
         assert not self.host.blocks.keys() & self.pool.index.keys(), "a block on both tiers"
         events = self.pool.events

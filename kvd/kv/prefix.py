@@ -7,30 +7,41 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from kvd.kv.core import KVCore
 from kvd.kv.events import KVEventLog
 from kvd.kv.records import KVError, PrefixHit
+from kvd.kv.registry import SequenceRegistry
 from kvd.kv.scope import Scope, chain_hashes, resolve_scope
 from kvd.kv.sequence import KVState, Sequence
 
 
-class PrefixCache(KVCore):
-    def _ensure_scope(self, seq: Sequence) -> Scope:
+class PrefixCache:
+    """Changes, of the registry's sequences: ``scope``, ``hashes`` and
+    ``registered``; of the pool: the cache index (``register``)."""
+
+    def __init__(self, registry: SequenceRegistry) -> None:
+        self.registry = registry
+
+    def ensure_scope(self, seq: Sequence) -> Scope:
         scope = resolve_scope(
-            self.policy, seq.tenant, seq.cache_salt, seq.tokens, self.block_size, self.public
+            self.registry.policy,
+            seq.tenant,
+            seq.cache_salt,
+            seq.tokens,
+            self.registry.block_size,
+            self.registry.public,
         )
         if scope != seq.scope:
             seq.scope = scope
             seq.hashes = []
         return scope
 
-    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+    def extend_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         hashes = seq.hashes
         if len(hashes) < num_blocks:
             assert seq.scope is not None
             parent = hashes[-1] if hashes else None
             hashes += chain_hashes(
-                seq.tokens, self.block_size, seq.scope, len(hashes), num_blocks, parent
+                seq.tokens, self.registry.block_size, seq.scope, len(hashes), num_blocks, parent
             )
         return hashes
 
@@ -46,32 +57,32 @@ class PrefixCache(KVCore):
         full-attention and sliding-window hits). Blocks found only on the host
         tier are listed in ``reloads``.
         """
-        self._own(seq)
+        self.registry.own(seq)
         if seq.state is not KVState.WAITING:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not waiting")
-        scope = self._ensure_scope(seq)
-        max_blocks = (len(seq.tokens) - 1) // self.block_size if use_cache else 0
-        hashes = self._extend_hashes(seq, max_blocks)
-        index = self.pool.index
-        tier = self.host.blocks if host and self.host.blocks else None
+        scope = self.ensure_scope(seq)
+        max_blocks = (len(seq.tokens) - 1) // self.registry.block_size if use_cache else 0
+        hashes = self.extend_hashes(seq, max_blocks)
+        index = self.registry.pool.index
+        tier = self.registry.host.blocks if host and self.registry.host.blocks else None
         cached = index if tier is None else _Either(index, tier)
         hit = 0
         for block in range(max_blocks):
             h = hashes[block]
-            if not all((g, h) in cached for g in self.global_groups):
+            if not all((g, h) in cached for g in self.registry.global_groups):
                 break
             hit += 1
         sliding_start = 0
-        if self.sliding_groups:
+        if self.registry.sliding_groups:
             hit = self._sliding_hit(hashes, hit, cached)
-            sliding_start = self.first_needed_block(hit * self.block_size)
+            sliding_start = self.registry.first_needed_block(hit * self.registry.block_size)
         reloads: list[tuple[int, int]] = []
         pages: list[tuple[int, ...]] = []
-        for g in range(self.num_groups):
+        for g in range(self.registry.num_groups):
             row = []
             for b in range(hit):
                 page = 0
-                if b >= sliding_start or g in self.global_groups:
+                if b >= sliding_start or g in self.registry.global_groups:
                     found = index.get((g, hashes[b]))
                     if found is None:
                         reloads.append((g, b))
@@ -82,11 +93,11 @@ class PrefixCache(KVCore):
         return PrefixHit(
             seq.seq_id,
             hit,
-            hit * self.block_size,
+            hit * self.registry.block_size,
             sliding_start,
             tuple(pages),
-            self.cache_epoch(),
-            self.generation,
+            self.registry.cache_epoch(),
+            self.registry.generation,
             scope,
             tuple(reloads),
         )
@@ -95,11 +106,11 @@ class PrefixCache(KVCore):
         """Longest hit <= limit whose in-window blocks are cached in every sliding group."""
         hit = limit
         while hit > 0:
-            first = self.first_needed_block(hit * self.block_size)
+            first = self.registry.first_needed_block(hit * self.registry.block_size)
             missing = None
             for block in range(hit - 1, first - 1, -1):
                 h = hashes[block]
-                if not all((g, h) in cached for g in self.sliding_groups):
+                if not all((g, h) in cached for g in self.registry.sliding_groups):
                     missing = block
                     break
             if missing is None:
@@ -107,18 +118,18 @@ class PrefixCache(KVCore):
             hit = missing  # any longer hit would need the missing block too
         return 0
 
-    def _register_pending(self, seq: Sequence) -> None:
+    def register_pending(self, seq: Sequence) -> None:
         """Offer the cache every full computed block not offered yet."""
-        computed_blocks = seq.num_computed // self.block_size
+        computed_blocks = seq.num_computed // self.registry.block_size
         if computed_blocks > seq.registered and seq.tables[0]:
-            self._register_blocks(seq, seq.registered, computed_blocks)
+            self.register_blocks(seq, seq.registered, computed_blocks)
 
-    def _register_blocks(self, seq: Sequence, start: int, stop: int) -> None:
+    def register_blocks(self, seq: Sequence, start: int, stop: int) -> None:
         seq.registered = max(seq.registered, stop)
-        scope = seq.scope if seq.scope is not None else self._ensure_scope(seq)
-        hashes = self._extend_hashes(seq, stop)
-        register = self.pool.register
-        events = self.pool.events
+        scope = seq.scope if seq.scope is not None else self.ensure_scope(seq)
+        hashes = self.extend_hashes(seq, stop)
+        register = self.registry.pool.register
+        events = self.registry.pool.events
         if not scope.public_matches:  # no public prefix in this chain: every page stays private
             for block in range(start, stop):
                 key_hash = hashes[block]
@@ -127,7 +138,7 @@ class PrefixCache(KVCore):
                     if page and register(page, (g, key_hash), None) and events is not None:
                         self._tell_stored(events, seq, hashes, block, g)
             return
-        live = self.public.live_ids() if scope.public_blocks > start else frozenset()
+        live = self.registry.public.live_ids() if scope.public_blocks > start else frozenset()
         for block in range(start, stop):
             public = None
             if block < scope.public_blocks:
@@ -146,7 +157,7 @@ class PrefixCache(KVCore):
         self, events: KVEventLog, seq: Sequence, hashes: list[bytes], block: int, group: int
     ) -> None:
         assert seq.scope is not None
-        size = self.block_size
+        size = self.registry.block_size
         events.stored(
             (group, hashes[block]),
             hashes[block - 1] if block else None,

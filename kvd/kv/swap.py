@@ -4,17 +4,25 @@ so they stay shared and charged as they were."""
 
 from __future__ import annotations
 
-from kvd.kv.commit import Commit
 from kvd.kv.pool import NULL_PAGE
+from kvd.kv.prefix import PrefixCache
 from kvd.kv.records import Demand, KVError, PageCopy
+from kvd.kv.registry import SequenceRegistry
 from kvd.kv.sequence import KVState, Sequence
 
 
-class Swapping(Commit):
+class Swapper:
+    """Changes: a swapping sequence's state, tables, ``swapped_blocks`` and
+    ``kept``; pages dropped to the pool and taken back from it."""
+
+    def __init__(self, registry: SequenceRegistry, prefix: PrefixCache) -> None:
+        self.registry = registry
+        self.prefix = prefix
+
     def _shared(self, page: int) -> bool:
         """Held by someone else too, or public: copying it out frees nothing."""
-        holders = self.pool.holders[page]
-        return self.pool.public[page] is not None or (
+        holders = self.registry.pool.holders[page]
+        return self.registry.pool.public[page] is not None or (
             holders is not None and sum(holders.values()) > 1
         )
 
@@ -22,12 +30,12 @@ class Swapping(Commit):
         """Computed tokens at the start of ``seq`` whose pages others also hold
         (or that are public): a recompute would find them in the prefix cache."""
         blocks = 0
-        tables = [seq.tables[g] for g in self.global_groups]
-        for block in range(seq.num_computed // self.block_size):
+        tables = [seq.tables[g] for g in self.registry.global_groups]
+        for block in range(seq.num_computed // self.registry.block_size):
             if not all(table[block] and self._shared(table[block]) for table in tables):
                 break
             blocks += 1
-        return blocks * self.block_size
+        return blocks * self.registry.block_size
 
     def swap_out_pages(self, seq: Sequence) -> int:
         """Pages a swap-out of a resident ``seq`` would copy (and free)."""
@@ -38,7 +46,7 @@ class Swapping(Commit):
         held until ``finish_swap_out``; shared and public pages are not copied
         and stay held through the swap, so they stay shared (and charged as
         they were)."""
-        self._own(seq)
+        self.registry.own(seq)
         if seq.state is not KVState.RESIDENT:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
         seq.state = KVState.SWAPPING_OUT
@@ -52,7 +60,7 @@ class Swapping(Commit):
     def abort_swap_out(self, seq: Sequence) -> None:
         """The copies ``begin_swap_out`` listed failed: ``seq`` is resident
         again, its pages as they were (its caller drops them instead)."""
-        self._own(seq)
+        self.registry.own(seq)
         if seq.state is not KVState.SWAPPING_OUT:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapping out")
         seq.state = KVState.RESIDENT
@@ -60,7 +68,7 @@ class Swapping(Commit):
     def finish_swap_out(self, seq: Sequence) -> None:
         """The copies ``begin_swap_out`` listed are on the host: free those
         pages, remember which blocks they were; the pages not copied stay held."""
-        self._own(seq)
+        self.registry.own(seq)
         if seq.state is not KVState.SWAPPING_OUT:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapping out")
         # Decided before registering pending blocks, which can make a page public.
@@ -70,10 +78,10 @@ class Swapping(Commit):
             for block, page in enumerate(table)
             if page and not self._shared(page)
         }
-        self._register_pending(seq)
+        self.prefix.register_pending(seq)
         swapped: list[list[int]] = [[] for _ in seq.tables]
         kept: list[dict[int, int]] = [{} for _ in seq.tables]
-        drop, tenant = self.pool.drop, seq.tenant
+        drop, tenant = self.registry.pool.drop, seq.tenant
         for g, table in enumerate(seq.tables):
             for block in range(len(table) - 1, -1, -1):
                 page = table[block]
@@ -86,29 +94,29 @@ class Swapping(Commit):
                     kept[g][block] = page
             swapped[g].reverse()
             table.clear()
-        seq.table_version = next(self._stamps)
+        seq.table_version = self.registry.stamp()
         seq.swapped_blocks = swapped
         seq.kept = kept
         seq.state = KVState.SWAPPED
 
     def swap_in_demand(self, seq: Sequence) -> Demand:
-        self._own(seq)
+        self.registry.own(seq)
         if seq.state is not KVState.SWAPPED or seq.swapped_blocks is None:
             raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapped")
         pages = sum(len(blocks) for blocks in seq.swapped_blocks)
         return Demand(pages, 0, pages)
 
     def can_swap_in(self, seq: Sequence) -> bool:
-        return self.fits(seq.tenant, self.swap_in_demand(seq))
+        return self.registry.fits(seq.tenant, self.swap_in_demand(seq))
 
     def swap_in(self, seq: Sequence) -> list[PageCopy]:
         """New pages for a swapped sequence; the caller copies host data into them
         before the next engine step. Full blocks re-enter the prefix cache."""
         demand = self.swap_in_demand(seq)
-        if not self.fits(seq.tenant, demand):
+        if not self.registry.fits(seq.tenant, demand):
             raise KVError(f"cannot swap in sequence {seq.seq_id}: not enough pages or budget")
         assert seq.swapped_blocks is not None and seq.kept is not None
-        pages = iter(self.pool.take(seq.tenant, demand.fresh_pages))
+        pages = iter(self.registry.pool.take(seq.tenant, demand.fresh_pages))
         copies: list[PageCopy] = []
         for g, (blocks, kept) in enumerate(zip(seq.swapped_blocks, seq.kept, strict=True)):
             table = [NULL_PAGE] * seq.num_blocks
@@ -118,10 +126,10 @@ class Swapping(Commit):
             for block, page in kept.items():
                 table[block] = page
             seq.tables[g] = table
-        seq.table_version = next(self._stamps)
+        seq.table_version = self.registry.stamp()
         seq.swapped_blocks = None
         seq.kept = None
         seq.state = KVState.RESIDENT
         seq.num_allocated = seq.num_computed
-        self._register_blocks(seq, 0, seq.num_computed // self.block_size)
+        self.prefix.register_blocks(seq, 0, seq.num_computed // self.registry.block_size)
         return copies

@@ -65,13 +65,13 @@ class KVMachine(RuleBasedStateMachine):
         self.next_id = 0
         # (group, hash) -> (scope bytes, tokens up to the block's end) of its producer
         self.produced: dict[tuple[int, bytes], tuple[bytes, tuple[int, ...]]] = {}
-        original = self.kv._register_blocks
+        original = self.kv.prefix_cache.register_blocks
 
         def recording(seq: Sequence, start: int, stop: int) -> None:
             original(seq, start, stop)
             self._record(seq, start, stop)
 
-        self.kv._register_blocks = recording  # type: ignore[method-assign]
+        self.kv.prefix_cache.register_blocks = recording  # type: ignore[method-assign]
 
     # -- bookkeeping of who produced each cached block -------------------------
 

@@ -1,5 +1,12 @@
-"""The KV manager's state: the pool, the ledger, the sharing configuration
-and the live sequences with their columns; adding sequences and their tokens."""
+"""The KV manager's shared record: the pool, the ledger, the host tier, the
+sharing configuration, and the live sequences with their columns; adding
+sequences and their tokens.
+
+Every part of the KV manager (``prefix.py``, ``allocation.py``,
+``commit.py``, ``swap.py``) holds this one record and says, in its own
+docstring, which of its fields it may change. Only the manager itself
+(``manager.py``) changes the configuration: ``policy``, ``generation`` and
+``public``."""
 
 from __future__ import annotations
 
@@ -22,12 +29,12 @@ from kvd.kv.hosttier import HostTier
 from kvd.kv.layout import PageLayout
 from kvd.kv.ledger import SHARED_ACCOUNT, BudgetMode, Ledger
 from kvd.kv.pool import PagePool
-from kvd.kv.records import KVError, PrefixHit
+from kvd.kv.records import Demand, KVError, PrefixHit
 from kvd.kv.scope import PublicPrefixes, SharingPolicy
 from kvd.kv.sequence import Sequence
 
 
-class KVCore:
+class SequenceRegistry:
     def __init__(
         self,
         layout: PageLayout,
@@ -46,7 +53,7 @@ class KVCore:
         self.public = PublicPrefixes()
         self.sequences: dict[int, Sequence] = {}
         self.columns = SequenceColumns()
-        self._stamps = itertools.count(1)  # table versions, unique across sequences
+        self.stamps = itertools.count(1)  # table versions, unique across sequences
         # Single-entry table changes, (slot, group, block, page), for a device-side
         # copy of the tables that ``log_table_edits`` asked for (None: not kept).
         # The two per-block events of a decode (a new block, a block sliding
@@ -63,6 +70,10 @@ class KVCore:
         self.prefix_hit_tokens = 0
         self.host_hit_tokens = 0
 
+    def stamp(self) -> int:
+        """A new table version (a sequence's tables changed, or it is new)."""
+        return next(self.stamps)
+
     def cache_epoch(self) -> int:
         """Moves whenever a cached block leaves either tier or the host tier
         hands one back: a prefix hit from an older epoch may name it."""
@@ -72,6 +83,16 @@ class KVCore:
         """Nothing a prefix hit names has left either tier, and sharing is as it
         was, since the lookup that made it."""
         return hit.epoch == self.cache_epoch() and hit.generation == self.generation
+
+    def fits(self, tenant: str, demand: Demand) -> bool:
+        """Idle pages suffice, and new charges (if any) stay within the budget.
+
+        A tenant over its budget (after a live cut) may still fill the blocks
+        it holds: only new charges are refused.
+        """
+        return demand.idle_pages <= self.pool.num_idle() and (
+            demand.charges == 0 or demand.charges <= self.ledger.headroom(tenant)
+        )
 
     def log_table_edits(self) -> list[tuple[int, int, int, int]]:
         """Start logging single-entry table edits (see ``table_edits``); the
@@ -106,18 +127,18 @@ class KVCore:
             self.num_groups,
             self.columns,
         )
-        seq.table_version = next(self._stamps)
-        self.columns.set(SERIAL, seq.slot, next(self._stamps))
+        seq.table_version = self.stamp()
+        self.columns.set(SERIAL, seq.slot, self.stamp())
         self.sequences[seq_id] = seq
         return seq
 
-    def _own(self, seq: Sequence) -> None:
+    def own(self, seq: Sequence) -> None:
         """Refuse a Sequence this manager does not hold (finished, or another's)."""
         if self.sequences.get(seq.seq_id) is not seq:
             raise KVError(f"sequence {seq.seq_id} is not live in this KV manager")
 
     def append_tokens(self, seq: Sequence, tokens: Iterable[int]) -> None:
-        self._own(seq)
+        self.own(seq)
         seq.extend_tokens(tokens)
 
     def append_decoded(
