@@ -12,10 +12,13 @@ from collections.abc import Sequence
 import msgspec
 
 from kvd.engine.sampling_params import SamplingParams
+from kvd.kv.manager import KVManager
+from kvd.sched.book import RequestBook
 from kvd.sched.constraint import Constraint
-from kvd.sched.core import SchedulerCore
+from kvd.sched.executor import ExecutorLimits
 from kvd.sched.ratelimit import RateLimited
 from kvd.sched.requests import Rejection, Request
+from kvd.sched.settings import SchedulerConfig
 
 
 def prompt_problem(prompt: Sequence[int], vocab_size: int, max_model_len: int) -> Rejection | None:
@@ -48,7 +51,24 @@ def total_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
     return prompt_len + min(max_tokens, max_model_len - prompt_len)
 
 
-class Admission(SchedulerCore):
+class Admission:
+    """Changes: the queues, the live requests (``requests``, ``choices``),
+    the tenants' limiters (a request's tokens are charged on arrival) and
+    ``rate_limited`` counts, and the fair-share counters (a tenant becoming
+    active)."""
+
+    def __init__(
+        self,
+        book: RequestBook,
+        kv: KVManager,
+        config: SchedulerConfig,
+        limits: ExecutorLimits,
+    ) -> None:
+        self.book = book
+        self.kv = kv
+        self.config = config
+        self.limits = limits
+
     def submit(
         self,
         request_id: str,
@@ -72,12 +92,12 @@ class Admission(SchedulerCore):
         pages of its own. Seeded, choice i samples with seed + i (vLLM's
         rule, modulo 2**32). ``constraint``: the grammar every choice's output
         follows (each gets its own copy). Returns the first choice's request."""
-        config = self.tenants.get(tenant)
+        config = self.book.tenants.get(tenant)
         if config is None:
             raise Rejection(401, "unknown_tenant", f"unknown tenant {tenant!r}")
         if n < 1:
             raise Rejection(400, "bad_n", "n must be at least 1")
-        if request_id in self.requests or request_id in self.choices:
+        if request_id in self.book.requests or request_id in self.book.choices:
             raise Rejection(400, "duplicate_id", f"request {request_id!r} already exists")
         limit = self.limits.max_model_len
         problem = prompt_problem(prompt, self.limits.vocab_size, limit)
@@ -98,22 +118,24 @@ class Admission(SchedulerCore):
         tier_name = tier or config.tier
         if tier_name not in self.config.tiers:
             raise Rejection(400, "bad_tier", f"unknown priority tier {tier_name!r}")
-        queue = self.queues[tenant]
+        queue = self.book.queues[tenant]
         # A request's choices count as one queued request (they start together).
         if len({r.reply_id for r in queue}) >= config.max_queue:
             raise Rejection(
                 429, "queue_full", f"tenant queue is full ({config.max_queue} waiting)", 1.0
             )
-        now = self.clock()
+        now = self.book.clock()
         try:
             # The prompt once, each choice's completion.
-            self.limiters[tenant].admit(stop_length + (n - 1) * (stop_length - len(prompt)), now)
+            self.book.limiters[tenant].admit(
+                stop_length + (n - 1) * (stop_length - len(prompt)), now
+            )
         except RateLimited as exc:
             if exc.retry_after is None:  # larger than a whole minute's allowance
                 raise Rejection(
                     400, "exceeds_rate_limit", f"{exc}: lower max_tokens or the prompt"
                 ) from None
-            self.tenant_stats[tenant].rate_limited += 1
+            self.book.tenant_stats[tenant].rate_limited += 1
             raise Rejection(429, "rate_limited", str(exc), exc.retry_after) from None
         tier_index = self.config.tiers.index(tier_name)
         choices = []
@@ -135,8 +157,8 @@ class Admission(SchedulerCore):
                     arrival=now,
                     deadline=None if deadline_s is None else now + deadline_s,
                     cache_salt=cache_salt,
-                    order_key=(tier_index, now, next(self._serials)),
-                    arrival_step=self.steps,
+                    order_key=(tier_index, now, next(self.book.serials)),
+                    arrival_step=self.book.steps,
                     constraint=None
                     if constraint is None
                     else constraint.fork()
@@ -149,10 +171,10 @@ class Admission(SchedulerCore):
         for fork in lead.forks:
             fork.lead = lead
         if n > 1:
-            self.choices[request_id] = lead
-        if not queue and not self._backlogged(tenant):
-            self.counters.activate(tenant, self._active_tenants())
+            self.book.choices[request_id] = lead
+        if not queue and not self.book.backlogged(tenant):
+            self.book.counters.activate(tenant, self.book.active_tenants())
         for request in choices:
             queue.append(request)
-            self.requests[request.request_id] = request
+            self.book.requests[request.request_id] = request
         return lead

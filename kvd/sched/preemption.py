@@ -14,12 +14,15 @@ from kvd.kv.eviction import plan_eviction
 from kvd.kv.manager import KVManager, PrefixHit
 from kvd.kv.records import Demand
 from kvd.kv.sequence import Sequence
-from kvd.sched.admission import Admission
+from kvd.sched.book import RequestBook
 from kvd.sched.costmodel import Rates
+from kvd.sched.executor import Executor
+from kvd.sched.hostcopies import HostCopies
 from kvd.sched.requests import (
     Request,
     RequestState,
 )
+from kvd.sched.settings import SchedulerConfig
 from kvd.sched.stepplan import StepPlan
 from kvd.sched.swapspace import SwapSpace
 
@@ -49,11 +52,31 @@ def preemption_kind(
     return SWAP if rates.swap_s(pages) < recompute else RECOMPUTE
 
 
-class Preemption(Admission):
+class Preemption:
     """Growing a request's sequence (evicting per policy when it must), and
-    preempting and swapping back in."""
+    preempting and swapping back in.
 
-    def _grow(self, request: Request, n: int, hit: PrefixHit | None, plan: StepPlan) -> int:
+    Changes: requests' state between running, waiting and swapped (the
+    ``running``, ``swapped`` and ``queues`` tables), their host pages, the
+    swap space, the preemption counts and log, and failed copies."""
+
+    def __init__(
+        self,
+        book: RequestBook,
+        kv: KVManager,
+        executor: Executor,
+        config: SchedulerConfig,
+        host_copies: HostCopies,
+        rates: Rates | None,
+    ) -> None:
+        self.book = book
+        self.kv = kv
+        self.executor = executor
+        self.config = config
+        self.host_copies = host_copies
+        self.rates = rates  # the cost model's, once measured (None: by policy alone)
+
+    def grow(self, request: Request, n: int, hit: PrefixHit | None, plan: StepPlan) -> int:
         """Pages for up to ``n`` more tokens (after ``hit``, for a waiting
         request); returns how many it got (0: none, and it waits).
 
@@ -70,27 +93,27 @@ class Preemption(Admission):
         demand = kv.try_allocate(seq, n, hit)
         if demand is None:
             return n
-        fit = self._most_that_fits(seq, n, hit)
+        fit = self.most_that_fits(seq, n, hit)
         if fit:
             kv.allocate(seq, fit, hit)
             return fit
         evict = plan_eviction(kv, seq, demand, hit)
         if evict is None:
             if request.state is RequestState.RUNNING:
-                self._preempt(request, plan)  # it cannot grow: it yields
+                self.preempt(request, plan)  # it cannot grow: it yields
             return 0
         for victim in evict.victims:
             # The plan counts every page a victim lets go of as freed: a swap
             # would keep its shared pages, so these victims are recomputed.
-            self._preempt(self._by_seq(victim.seq_id), plan, must_free=True)
+            self.preempt(self.book.by_seq(victim.seq_id), plan, must_free=True)
         if hit is not None and not kv.hit_is_current(hit):
             return 0  # the victims' pages evicted what the hit was made of: next step
-        n = self._most_that_fits(seq, n, hit, whole=True)
+        n = self.most_that_fits(seq, n, hit, whole=True)
         if n:
             kv.allocate(seq, n, hit)
         return n
 
-    def _most_that_fits(
+    def most_that_fits(
         self, seq: Sequence, n: int, hit: PrefixHit | None, whole: bool = False
     ) -> int:
         """The most of ``n`` tokens (``whole``: all of them or none) that the idle
@@ -107,17 +130,17 @@ class Preemption(Admission):
         return low
 
     def preemption_kind(self, seq: Sequence) -> str:
-        tenant = self.tenants.get(seq.tenant)
+        tenant = self.book.tenants.get(seq.tenant)
         return preemption_kind(
             self.config.preemption,
             self.rates,
             self.kv,
             seq,
-            self.swap_space,
+            self.book.swap_space,
             tenant.swap_pages if tenant else None,
         )
 
-    def _preempt(self, request: Request, plan: StepPlan, *, must_free: bool = False) -> None:
+    def preempt(self, request: Request, plan: StepPlan, *, must_free: bool = False) -> None:
         """Recompute or swap ``request`` (``must_free``: it is an eviction
         victim, and a swap that would keep shared pages is a recompute)."""
         seq = request.seq
@@ -126,14 +149,14 @@ class Preemption(Admission):
         kind = self.preemption_kind(seq)
         if kind == SWAP and must_free and self.kv.swap_out_pages(seq) < len(seq.held_pages()):
             kind = RECOMPUTE
-        stats = self.tenant_stats[request.tenant]
-        self._remove_running(request)
+        stats = self.book.tenant_stats[request.tenant]
+        self.book.remove_running(request)
         request.preemptions += 1
-        self.preemptions += 1
-        self.preemption_log.append((request.request_id, request.tenant, kind))
+        self.book.preemptions += 1
+        self.book.preemption_log.append((request.request_id, request.tenant, kind))
         if kind == SWAP:
             copies = self.kv.begin_swap_out(seq)
-            self.sync_host_tier()  # blocks it reloaded this step: copied in before out
+            self.host_copies.sync()  # blocks it reloaded this step: copied in before out
             try:
                 data = self.executor.copy_out([c.page for c in copies])
             except Exception as exc:  # noqa: BLE001  # recovered from: recomputed instead
@@ -141,23 +164,23 @@ class Preemption(Admission):
                 # transfer): the device still holds them, so recomputing later
                 # loses nothing. A broken device fails the next step anyway.
                 self.kv.abort_swap_out(seq)
-                self.copy_failures.append(("swap_out", f"{type(exc).__name__}: {exc}"))
-                self.preemption_log[-1] = (request.request_id, request.tenant, RECOMPUTE)
+                self.book.copy_failures.append(("swap_out", f"{type(exc).__name__}: {exc}"))
+                self.book.preemption_log[-1] = (request.request_id, request.tenant, RECOMPUTE)
                 kind = RECOMPUTE
         if kind == SWAP:
             self.kv.finish_swap_out(seq)
-            self.swap_space.take(request.tenant, len(copies))
+            self.book.swap_space.take(request.tenant, len(copies))
             request.host_pages = ([(c.group, c.block) for c in copies], data)
             request.state = RequestState.SWAPPED
-            self.swapped[request.request_id] = request
+            self.book.swapped[request.request_id] = request
             stats.preempted_swap += 1
             return
         self.kv.release(seq)  # recompute: tokens kept, pages dropped
         request.state = RequestState.WAITING
-        self.queues[request.tenant].appendleft(request)
+        self.book.queues[request.tenant].appendleft(request)
         stats.preempted_recompute += 1
 
-    def _can_resume(self, seq: Sequence) -> bool:
+    def can_resume(self, seq: Sequence) -> bool:
         """Its pages fit back, and so does the block its next token needs
         (else it would swap in only to yield again in the same step)."""
         kv = self.kv
@@ -166,27 +189,27 @@ class Preemption(Admission):
         pages = demand.fresh_pages + extra
         return kv.fits(seq.tenant, Demand(pages, 0, pages))
 
-    def _swap_in(self, request: Request, plan: StepPlan) -> None:
+    def swap_in(self, request: Request, plan: StepPlan) -> None:
         seq = request.seq
         assert seq is not None and request.host_pages is not None
-        if len(plan.work) >= plan.max_seqs or not self._can_resume(seq):
+        if len(plan.work) >= plan.max_seqs or not self.can_resume(seq):
             return
         blocks, data = request.host_pages
         rows = {key: i for i, key in enumerate(blocks)}
         copies = self.kv.swap_in(seq)
-        self.sync_host_tier()  # its pages may hold evicted blocks not yet copied out
+        self.host_copies.sync()  # its pages may hold evicted blocks not yet copied out
         self.executor.copy_in(
             [c.page for c in copies], data[[rows[(c.group, c.block)] for c in copies]]
         )
-        self.swap_space.give(request.tenant, len(blocks))
+        self.book.swap_space.give(request.tenant, len(blocks))
         if self.rates is not None:
             plan.add_copy(self.rates.swap_s(len(blocks)) / 2)
         request.host_pages = None
         request.state = RequestState.RUNNING
-        del self.swapped[request.request_id]
-        self._add_running(request)
+        del self.book.swapped[request.request_id]
+        self.book.add_running(request)
         n = plan.room(seq.num_computed, len(seq.tokens) - seq.num_computed)
         if n > 0:
-            granted = self._grow(request, n, None, plan)
+            granted = self.grow(request, n, None, plan)
             if granted:
                 plan.add(request, granted, seq.num_computed)

@@ -52,7 +52,6 @@ class Request:
     order_key: tuple[int, float, int]  # (tier, arrival, serial): the running order
     finish_reason: str | None = None
     host_pages: tuple[list[tuple[int, int]], np.ndarray[Any, Any]] | None = None
-    first_token_at: float | None = None
     started_at: float | None = None
     charged_input: bool = False
     cached_tokens: int = 0
@@ -195,7 +194,6 @@ class SlotInfo:
     request objects."""
 
     def __init__(self) -> None:
-        self.last_token_at = np.full(0, np.nan)  # NaN: no token yet
         self.stop_length = np.zeros(0, np.int64)  # the sequence ends at this length
         self.tenant = np.zeros(0, np.int64)  # index into Scheduler.tenant_names
         self.ignore_eos = np.zeros(0, np.bool_)  # the model's end tokens do not end it
@@ -206,14 +204,13 @@ class SlotInfo:
         """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
         if len(self.stop_length) < capacity:
             self._grow(capacity)
-        self.last_token_at[slot] = np.nan
         self.stop_length[slot] = stop_length
         self.tenant[slot] = tenant
         self.ignore_eos[slot] = ignore_eos
 
     def _grow(self, capacity: int) -> None:
         old = len(self.stop_length)
-        columns = (("last_token_at", np.nan), ("stop_length", 0), ("tenant", 0), ("ignore_eos", 0))
+        columns = (("stop_length", 0), ("tenant", 0), ("ignore_eos", 0))
         for name, fill in columns:
             column = getattr(self, name)
             grown = np.full(capacity, fill, column.dtype)

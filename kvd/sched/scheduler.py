@@ -24,28 +24,42 @@ Finished and cancelled sequences give their pages back at once.
 
 from __future__ import annotations
 
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvd.kv.columns import COMPUTED, LENGTH
-from kvd.kv.ledger import BudgetMode
+from kvd.kv.ledger import BudgetMode, TenantBudget
+from kvd.kv.manager import KVManager
 from kvd.kv.records import PrefixHit
 from kvd.kv.sequence import Sequence
+from kvd.sched.admission import Admission
+from kvd.sched.book import RequestBook
 from kvd.sched.constraint import mask_words
-from kvd.sched.executor import SequenceFault
+from kvd.sched.costmodel import Rates, measure_rates
+from kvd.sched.executor import Executor, SequenceFault
+from kvd.sched.hostcopies import HostCopies
+from kvd.sched.preemption import Preemption
+from kvd.sched.ratelimit import TenantLimiter
 from kvd.sched.requests import (
     ParamsOf,
     Rejection,
     Request,
     RequestState,
+    SlotInfo,
     StepEvent,
     StepWork,
 )
 from kvd.sched.settings import SchedulerConfig, TenantConfig
 from kvd.sched.stats import SchedulerStats, TenantStats
 from kvd.sched.stepplan import StepPlan
-from kvd.sched.tokens import TokenHandling
+from kvd.sched.swapspace import SwapSpace
+from kvd.sched.tokens import TokenRecorder
 
 __all__ = [
     "Rejection",
@@ -64,14 +78,157 @@ _NO_SLOTS = np.zeros(0, np.int64)
 _NOTHING_SCHEDULED: tuple[list[Request], list[Sequence], np.ndarray[Any, Any]] = ([], [], _NO_SLOTS)
 
 
-class Scheduler(TokenHandling):
+class Scheduler:
     """Step building: decodes first, then prefill work by tier and fair share
-    within the step's room (the layers below: core.py, admission.py,
-    preemption.py, tokens.py)."""
+    within the step's room. It owns the KV manager, binds the executor to
+    it, and holds its parts: the request book (``book.py``: tenants, queues,
+    live requests), admission (``admission.py``), growth and preemption
+    (``preemption.py``), the host tier's copies (``hostcopies.py``) and
+    token recording (``tokens.py``)."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        config: SchedulerConfig | None = None,
+        *,
+        kv: KVManager | None = None,
+        rates: Rates | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.executor = executor
+        self.limits = limits = executor.limits
+        self.config = config = config or SchedulerConfig()
+        if kv is None:
+            kv = KVManager(executor.layout, executor.num_pages)
+        kv.set_mode(config.mode)
+        kv.set_policy(config.policy)
+        self.kv = kv
+        executor.bind(kv)
+        self.clock = clock
+        kv.enable_host_tier(config.host_pages)
+        self.swap_space = SwapSpace(config.swap_pages, kv.host)
+        self.book = book = RequestBook(kv, self.swap_space, clock)
+        self.host_copies = HostCopies(kv, executor, book.copy_failures)
+        self.admission = Admission(book, kv, config, limits)
+        self.preemption = Preemption(book, kv, executor, config, self.host_copies, rates)
+        is_stop = np.zeros(limits.vocab_size, np.bool_)  # by token id
+        is_stop[sorted(executor.stop_ids)] = True
+        self._slot_info = SlotInfo()
+        self.tokens = TokenRecorder(book, kv, self._slot_info, is_stop)
+        # The book's tables and logs, readable here as the scheduler's own.
+        self.tenants = book.tenants
+        self.limiters = book.limiters
+        self.queues = book.queues
+        self.tenant_stats = book.tenant_stats
+        self.counters = book.counters
+        self.requests = book.requests
+        self.choices = book.choices
+        self.running = book.running
+        self.swapped = book.swapped
+        self.preemption_log = book.preemption_log
+        self.start_log = book.start_log
+        self.fault_log = book.fault_log
+        self.copy_failures = book.copy_failures
+        self.host_store = self.host_copies.store
+        self.submit = self.admission.submit
+        self.live_requests = book.live_requests
+        self.sync_host_tier = self.host_copies.sync
+        self.stalled = False
+        self.last_step_predicted_s: float | None = None
+        self._seq_ids = itertools.count(1)
+        # The running requests of this step and their KV slots, when computed while
+        # scheduling (a step of only those decodes needs them again).
+        self._decode_slots: tuple[list[Request], list[Sequence], np.ndarray[Any, Any]] = (
+            _NOTHING_SCHEDULED
+        )
+        # Per public prefix: [requests that started with it, of those served
+        # from cache, prompt tokens served from cache].
+        self.prefix_hits: dict[str, list[int]] = {}
+
+    @property
+    def rates(self) -> Rates | None:
+        """The cost model's rates (None until measured or given)."""
+        return self.preemption.rates
+
+    @rates.setter
+    def rates(self, rates: Rates | None) -> None:
+        self.preemption.rates = rates
+
+    @property
+    def steps(self) -> int:
+        return self.book.steps
+
+    @property
+    def preemptions(self) -> int:
+        return self.book.preemptions
+
+    def calibrate(self, repeats: int = 3) -> Rates:
+        """Measure the executor's rates (on a scratch KV manager) and use them."""
+        try:
+            self.rates = rates = measure_rates(self.executor, repeats)
+        finally:
+            self.executor.bind(self.kv)
+        return rates
+
+    def set_tenant(self, tenant: TenantConfig) -> None:
+        if tenant.tier not in self.config.tiers:
+            raise ValueError(
+                f"unknown tier {tenant.tier!r} (tiers: {', '.join(self.config.tiers)})"
+            )
+        book = self.book
+        self.kv.set_tenant(tenant.name, TenantBudget(tenant.reservation_pages, tenant.cap_pages))
+        self.kv.set_host_quota(tenant.name, tenant.host_quota_pages)
+        self.sync_host_tier()  # a lowered quota's blocks are gone now, data included
+        book.counters.set_weight(tenant.name, tenant.weight)
+        old = book.tenants.get(tenant.name)
+        if old is None or old.limits != tenant.limits:
+            book.limiters[tenant.name] = TenantLimiter(tenant.limits, self.clock())
+        book.tenants[tenant.name] = tenant
+        if tenant.name not in book.tenant_index:
+            book.tenant_index[tenant.name] = len(book.tenant_names)
+            book.tenant_names.append(tenant.name)
+        book.queues.setdefault(tenant.name, deque())
+        book.tenant_stats.setdefault(tenant.name, TenantStats())
+
+    def remove_tenant(self, name: str) -> None:
+        """Forget a tenant with no live request (refused otherwise)."""
+        book = self.book
+        if name not in book.tenants:
+            raise ValueError(f"no tenant {name!r}")
+        live = book.live_requests(name)
+        if live:
+            raise ValueError(f"tenant {name!r} has {live} live requests: drain them first")
+        self.kv.remove_tenant(name)
+        self.sync_host_tier()
+        for table in (book.tenants, book.limiters, book.queues, book.tenant_stats):
+            table.pop(name, None)
+        book.counters.forget(name)
+
+    def flush_cache(self) -> int:
+        """Forget every cached block nobody uses, on both tiers (host data too)."""
+        flushed = self.kv.flush_cache()
+        self.sync_host_tier()
+        return flushed
+
+    def cancel(self, request_id: str, choice: int | None = None) -> bool:
+        """Stop a request (all its choices, or the one ``choice``) now and free
+        its pages; False if it is unknown or done."""
+        lead = self.book.requests.get(request_id) or self.book.choices.get(request_id)
+        if lead is None:
+            return False
+        group = [lead, *lead.forks]
+        targets = group if choice is None else [r for r in group if r.choice == choice]
+        live = [r for r in targets if r.state is not RequestState.FINISHED]
+        for request in live:
+            self.book.finish(request, "cancelled")
+        return bool(live)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.swapped or any(self.queues.values()))
 
     def step(self) -> list[StepEvent]:
         now = self.clock()
-        self.steps += 1
+        self.book.steps += 1
         events: list[StepEvent] = []
         self._expire(now, events)
         target = self.config.target_step_ms
@@ -114,7 +271,7 @@ class Scheduler(TokenHandling):
             kv.commit_decodes(seqs, slots, block)
         else:
             kv.commit_batch(seqs, counts, slots)
-        self._record_tokens(work, seqs, slots, block, output, events, masks is not None)
+        self.tokens.record(work, seqs, slots, block, output, events, masks is not None)
         return events
 
     def _constraint_masks(
@@ -137,7 +294,7 @@ class Scheduler(TokenHandling):
     def _schedule_decodes(self, plan: StepPlan) -> list[Request]:
         """Every running decode that fits the step, most important first; returns
         the running requests with a prefill chunk to compute, in running order."""
-        order = self._running_order.snapshot()
+        order = self.book.running_order.snapshot()
         if not order:
             return []
         kv = self.kv
@@ -173,7 +330,7 @@ class Scheduler(TokenHandling):
                 continue  # preempted while making room for an earlier one
             seq = request.seq
             assert seq is not None
-            if self._grow(request, 1, None, plan):
+            if self.preemption.grow(request, 1, None, plan):
                 plan.add(request, 1, seq.num_computed, prefill=False)
         return prefilling
 
@@ -201,14 +358,14 @@ class Scheduler(TokenHandling):
                 continue
             own[request.tenant].pop(0)
             if request.state is RequestState.SWAPPED:
-                self._swap_in(request, plan)
+                self.preemption.swap_in(request, plan)
             elif request.state is RequestState.RUNNING:
                 seq = request.seq
                 assert seq is not None
                 n = plan.room(seq.num_computed, len(seq.tokens) - seq.num_computed)
                 if n <= 0:
                     return
-                granted = self._grow(request, n, None, plan)
+                granted = self.preemption.grow(request, n, None, plan)
                 if granted:
                     plan.add(request, granted, seq.num_computed)
 
@@ -259,7 +416,7 @@ class Scheduler(TokenHandling):
                 request.seq.slot,
                 kv.columns.capacity,
                 request.stop_length,
-                self._tenant_index[request.tenant],
+                self.book.tenant_index[request.tenant],
                 request.params.ignore_eos,
             )
         seq = request.seq
@@ -269,7 +426,7 @@ class Scheduler(TokenHandling):
         n = plan.room(hit.num_tokens, len(seq.tokens) - hit.num_tokens)
         if n <= 0:
             return None
-        granted = self._grow(request, n, hit, plan)
+        granted = self.preemption.grow(request, n, hit, plan)
         if not granted:
             return False
         queue = self.queues[request.tenant]
@@ -278,7 +435,7 @@ class Scheduler(TokenHandling):
         else:  # its own victims went back to the head of the queue, before it
             queue.remove(request)
         request.state = RequestState.RUNNING
-        self._add_running(request)
+        self.book.add_running(request)
         if request.started_at is None:
             request.started_at = now
             request.cached_tokens = hit.num_tokens
@@ -289,7 +446,6 @@ class Scheduler(TokenHandling):
             if lead is None:  # a request's prompt, counted once for all its choices
                 for fork in request.forks:
                     fork.deadline = None  # the request has started
-                self._queue.append(now - request.arrival)
                 stats = self.tenant_stats[request.tenant]
                 stats.prompt_tokens += len(request.prompt)
                 stats.cached_tokens += hit.num_tokens
@@ -311,3 +467,80 @@ class Scheduler(TokenHandling):
         device = self.kv.lookup(seq, host=False).num_tokens
         copy_in_s = rates.swap_s(len(hit.reloads)) / 2
         return copy_in_s < rates.recompute_s(hit.num_tokens, device)
+
+    def _count_prefix_hit(self, hit: PrefixHit) -> None:
+        name = hit.scope.public_prefix
+        if name is None:
+            return
+        counts = self.prefix_hits.setdefault(name, [0, 0, 0])
+        served = min(hit.num_tokens, hit.scope.public_blocks * self.kv.block_size)
+        counts[0] += 1
+        counts[1] += served > 0
+        counts[2] += served
+
+    def _fail(self, request: Request, cause: BaseException, events: list[StepEvent]) -> None:
+        """End ``request`` alone for a fault of its own (its pages go back)."""
+        self.book.finish(request, "error")
+        detail = f"{type(cause).__name__}: {cause}"
+        self.fault_log.append((request.request_id, request.tenant, detail))
+        events.append(
+            StepEvent(request.reply_id, None, 0.0, True, "error", detail, choice=request.choice)
+        )
+
+    def _expire(self, now: float, events: list[StepEvent]) -> None:
+        for queue in self.queues.values():
+            # Only requests that never started: a preempted one re-queued is not late.
+            expired = [
+                r
+                for r in queue
+                if r.deadline is not None and r.deadline < now and r.started_at is None
+            ]
+            for request in expired:
+                self.book.finish(request, "deadline")
+                events.append(
+                    StepEvent(request.reply_id, None, 0.0, True, "deadline", choice=request.choice)
+                )
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv
+        tenants: dict[str, TenantStats] = {}
+        for name, base in self.tenant_stats.items():
+            account = kv.ledger.accounts.get(name)
+            stats = msgspec.structs.replace(
+                base,
+                running=sum(1 for r in self.running.values() if r.tenant == name),
+                waiting=len(self.queues[name]),
+                swapped=sum(1 for r in self.swapped.values() if r.tenant == name),
+                pages_used=account.used if account else 0,
+                pages_reserved=account.reservation if account else 0,
+                pages_cap=account.cap if account else None,
+                surplus_pages=kv.ledger.surplus(name) if account else 0,
+                host_swap_pages=self.swap_space.used.get(name, 0),
+                host_cached_pages=kv.host.used.get(name, 0),
+                service=self.counters.service.get(name, 0.0),
+            )
+            tenants[name] = stats
+        rates = self.rates
+        return SchedulerStats(
+            steps=self.steps,
+            running=len(self.running),
+            waiting=sum(len(q) for q in self.queues.values()),
+            swapped=len(self.swapped),
+            free_pages=len(kv.pool.free),
+            cached_pages=len(kv.pool.lru),
+            used_pages=kv.pool.num_referenced(),
+            prefix_query_tokens=kv.prefix_query_tokens,
+            prefix_hit_tokens=kv.prefix_hit_tokens,
+            preempted_recompute=sum(t.preempted_recompute for t in tenants.values()),
+            preempted_swap=sum(t.preempted_swap for t in tenants.values()),
+            tenants=tenants,
+            prefill_tokens_per_s=rates.prefill_tokens_per_s if rates else None,
+            copy_bytes_per_s=rates.copy_bytes_per_s if rates else None,
+            crossover_tokens=rates.crossover_tokens() if rates else None,
+            host_pages=kv.host.total,
+            host_cached_pages=len(kv.host),
+            host_swap_pages=self.swap_space.held,
+            host_hit_tokens=kv.host_hit_tokens,
+            host_offloads=kv.host.offloaded,
+            host_evictions=kv.host.evictions,
+        )

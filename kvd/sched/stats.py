@@ -37,9 +37,6 @@ class SchedulerStats(msgspec.Struct):
     prefix_hit_tokens: int
     preempted_recompute: int
     preempted_swap: int
-    ttft_s: list[float]  # since the last stats() call
-    inter_token_s: list[float]
-    queue_s: list[float]
     tenants: dict[str, TenantStats]
     prefill_tokens_per_s: float | None
     copy_bytes_per_s: float | None

@@ -11,10 +11,11 @@ import msgspec
 import numpy as np
 
 from kvd.kv.columns import COMPUTED, LENGTH
+from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
+from kvd.sched.book import RequestBook
 from kvd.sched.executor import PromptScores, StepOutput
-from kvd.sched.preemption import Preemption
-from kvd.sched.requests import Request, RequestState, StepEvent, StepWork
+from kvd.sched.requests import Request, RequestState, SlotInfo, StepEvent, StepWork
 
 Array = np.ndarray[Any, Any]
 
@@ -70,11 +71,26 @@ def outcome(
     return Outcome(keep, slots, length, tokens, logprobs, finished, by_stop)
 
 
-class TokenHandling(Preemption):
+class TokenRecorder:
     """A step's sampled tokens become events, finished requests end, and
-    fair share and latency are charged, as array operations over the batch."""
+    fair share is charged, as array operations over the batch.
 
-    def _record_tokens(
+    Changes: the sequences' tokens (through the KV manager), requests ended
+    (``book.finish``), the fault log, the fair-share counters and the
+    tenants' completion tokens; owns the prompt scores held until a first
+    token (``scoring``)."""
+
+    def __init__(
+        self, book: RequestBook, kv: KVManager, slot_info: SlotInfo, is_stop: Array
+    ) -> None:
+        self.book = book
+        self.kv = kv
+        self.slot_info = slot_info
+        self.is_stop = is_stop  # by token id: the model's end tokens
+        # Requests holding their prompt's own logprobs until their first token.
+        self.scoring: set[Request] = set()
+
+    def record(
         self,
         work: StepWork,
         seqs: list[Sequence],
@@ -88,8 +104,7 @@ class TokenHandling(Preemption):
         the batch (this runs for every running sequence every step). ``block``
         holds the sequences' columns from before the step; ``constrained``:
         some request of the step has a grammar to follow."""
-        now = self.clock()
-        info = self._slot_info
+        info = self.slot_info
         out = outcome(
             work.counts,
             slots,
@@ -97,7 +112,7 @@ class TokenHandling(Preemption):
             output.tokens,
             output.logprobs,
             output.stopped,
-            self._is_stop,
+            self.is_stop,
             info.stop_length,
             info.ignore_eos,
         )
@@ -111,7 +126,6 @@ class TokenHandling(Preemption):
         if not requests:
             return
         slots, finished, by_stop = out.slots, out.finished, out.by_stop
-        self._observe_latency(requests, slots, now)
         token_list = out.tokens.tolist()
         # A last token too: it is part of the output.
         self.kv.append_decoded(seqs, token_list, slots, out.length)
@@ -137,22 +151,22 @@ class TokenHandling(Preemption):
         )
         if output.top_ids is not None:
             self._attach_top(events, requests, out.keep, output.top_ids, output.top_logprobs)
-        if self._scoring:
+        if self.scoring:
             self._attach_prompt_scores(events, requests)
         first = len(events) - len(requests)
         for i, why in broken.items():  # an error, not a token: the request fails
             request = requests[i]
-            self.fault_log.append((request.request_id, request.tenant, why))
+            self.book.fault_log.append((request.request_id, request.tenant, why))
             events[first + i] = StepEvent(
                 request.reply_id, None, 0.0, True, "error", why, choice=request.choice
             )
         for i in ends:
-            self._finish(requests[i], reasons[i])  # type: ignore[arg-type]
+            self.book.finish(requests[i], reasons[i])  # type: ignore[arg-type]
         served = np.bincount(info.tenant[slots])
         for index in np.flatnonzero(served).tolist():
-            tenant, count = self.tenant_names[index], int(served[index])
-            self.counters.charge(tenant, output_tokens=count)  # fair share, once per tenant
-            self.tenant_stats[tenant].completion_tokens += count
+            tenant, count = self.book.tenant_names[index], int(served[index])
+            self.book.counters.charge(tenant, output_tokens=count)  # fair share, once per tenant
+            self.book.tenant_stats[tenant].completion_tokens += count
 
     @staticmethod
     def _follow_constraints(
@@ -188,7 +202,7 @@ class TokenHandling(Preemption):
                 continue
             if request.prompt_scores is None:
                 request.prompt_scores = {}
-                self._scoring.add(request)
+                self.scoring.add(request)
             tops = chunk.top if chunk.top is not None else [None] * len(chunk.logprobs)
             for position, entry in enumerate(zip(chunk.logprobs, tops, strict=True), chunk.first):
                 request.prompt_scores[position] = entry
@@ -198,12 +212,12 @@ class TokenHandling(Preemption):
         scores, in prompt order (the last events, one per request); requests
         that ended before a first token are forgotten."""
         first = len(events) - len(requests)
-        at = {request: i for i, request in enumerate(requests) if request in self._scoring}
-        for request in list(self._scoring):
+        at = {request: i for i, request in enumerate(requests) if request in self.scoring}
+        for request in list(self.scoring):
             i = at.get(request)
             if i is None:
                 if request.state is RequestState.FINISHED:
-                    self._scoring.discard(request)
+                    self.scoring.discard(request)
                 continue
             scores = request.prompt_scores
             assert scores is not None
@@ -212,7 +226,7 @@ class TokenHandling(Preemption):
                 prompt=tuple(scores[p] for p in range(1, request.prompt_len)),
             )
             request.prompt_scores, request.prompt_scores_sent = None, True
-            self._scoring.discard(request)
+            self.scoring.discard(request)
 
     @staticmethod
     def _attach_top(
@@ -233,20 +247,3 @@ class TokenHandling(Preemption):
             if k:
                 top = tuple(zip(ids[i, :k].tolist(), logprobs[i, :k].tolist(), strict=True))
                 events[first + i] = msgspec.structs.replace(events[first + i], top=top)
-
-    def _observe_latency(
-        self, requests: list[Request], slots: np.ndarray[Any, Any], now: float
-    ) -> None:
-        """Time to first token and inter-token gaps, kept per sequence slot."""
-        last_token_at = self._slot_info.last_token_at
-        last = last_token_at[slots]
-        first = np.isnan(last)
-        if first.any():
-            for i in np.flatnonzero(first).tolist():
-                request = requests[i]
-                request.first_token_at = now
-                if request.lead is None:  # a request's first token, not each choice's
-                    self._ttft.append(now - request.arrival)
-            last = last[~first]
-        self._itl += (now - last).tolist()
-        last_token_at[slots] = now

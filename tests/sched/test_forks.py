@@ -227,7 +227,7 @@ def test_a_prompts_own_logprobs_come_with_its_first_token() -> None:
     for token, (logprob, top) in zip(tokens[1:], scores, strict=True):
         assert logprob == -0.25 and top == ((token, -0.25), ((token + 1) % vocab, -1.25))
     assert firsts[1].prompt is None
-    assert not scheduler._scoring
+    assert not scheduler.tokens.scoring
     run(scheduler)
     scheduler.kv.check_invariants()
     assert scheduler.kv.pool.num_referenced() == 0

@@ -8,7 +8,7 @@ import pytest
 
 from kvd.kv.ledger import SHARED_ACCOUNT
 from kvd.kv.scope import SharingPolicy
-from kvd.sched.core import _row
+from kvd.sched.hostcopies import _row
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from tests.sched.simulated import greedy, make_executor
 from tests.sched.test_policy import Run, expected, prompt, rates

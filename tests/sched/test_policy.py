@@ -185,7 +185,7 @@ def test_swap_keeps_shared_pages_shared_within_the_host_budget() -> None:
     shared = set(seq.held_pages()) & set(one.seq.held_pages())
     private = set(seq.held_pages()) - shared
     assert shared and private
-    scheduler._preempt(two, StepPlan(16, 6))
+    scheduler.preemption.preempt(two, StepPlan(16, 6))
     assert two.state is RequestState.SWAPPED
     assert two.host_pages is not None
     assert len(two.host_pages[0]) == len(private)  # only its own pages went to host
@@ -299,7 +299,7 @@ def test_hit_counters_count_a_request_once() -> None:
     run = Run(scheduler)
     for _ in range(5):
         run.step()
-    scheduler._preempt(request, StepPlan(16, 6))
+    scheduler.preemption.preempt(request, StepPlan(16, 6))
     assert run.drain()["r"] == expected(ids, 12)
     kv = scheduler.kv
     assert request.cached_tokens == 0
@@ -411,7 +411,7 @@ def test_a_swap_victim_that_shares_pages_is_recomputed() -> None:
     while scheduler.requests["two"].started_at is None:
         run.step()
     two = scheduler.requests["two"]
-    scheduler._preempt(two, StepPlan(16, 6), must_free=True)
+    scheduler.preemption.preempt(two, StepPlan(16, 6), must_free=True)
     assert two.state is RequestState.WAITING  # recomputed, though swap is configured
     run.drain()
     assert run.outputs["two"] == expected(base + [4], 12)

@@ -91,7 +91,7 @@ def test_preemption_is_invisible(engine, kind: str, when: str, sampling: str) ->
             assert request.state is RequestState.RUNNING
             if when == "mid-prefill":
                 assert request.seq is not None and request.seq.num_computed < len(ids)
-            scheduler._preempt(request, StepPlan(32, 8))
+            scheduler.preemption.preempt(request, StepPlan(32, 8))
             scheduler.kv.check_invariants()
             expected_state = RequestState.SWAPPED if kind == "swap" else RequestState.WAITING
             assert request.state is expected_state
