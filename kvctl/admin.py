@@ -128,7 +128,8 @@ def render_status(s: dict[str, Any]) -> str:
     host = s.get("host")
     if host and host["pages"]:
         lines.append(
-            f"host tier {host['pages']} pages ({host['bytes'] / 2**30:.3g} GiB, shared with swap): "
+            f"host cache {host['pages']} pages "
+            f"({host['bytes'] / 2**30:.3g} GiB, shared with swap): "
             f"cached {host['cached_pages']}, swap {host['swap_pages']}, "
             f"offloaded {host['offloads']}, dropped {host['evictions']}"
         )

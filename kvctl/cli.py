@@ -97,7 +97,7 @@ def _tenant_options(f: Any) -> Any:
         ),
         click.option(
             "--host-quota",
-            help="Host-tier cache it may hold: a share of pool.host_size ('25%'), a size or 'all'.",
+            help="Host cache it may hold: a share of pool.host_size ('25%'), a size or 'all'.",
         ),
     ]
     for option in reversed(options):
@@ -588,8 +588,8 @@ def render_capacity(r: CapacityReport) -> str:
             f"{format_iec(k.max_waste_bytes_per_sequence)} (one partly filled block per group)",
         ),
     ]
-    if k.padded_layer_slots:
-        rows.append(("padded layer slots per page", str(k.padded_layer_slots)))
+    if k.padded_layer_places:
+        rows.append(("padded layer places per page", str(k.padded_layer_places)))
     title = (
         f"kvd allocator (lazy windows, {k.block_size}-token blocks, {format_iec(k.page_bytes)} "
         f"pages in {k.groups} page groups, {k.num_pages:,} pages)"

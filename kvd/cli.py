@@ -11,7 +11,7 @@ import click
 import msgspec
 
 from kvd.clikit import FiniteFloat, fail, run
-from kvd.engine.sampling_params import MAX_TEMPERATURE, MIN_TEMPERATURE
+from kvd.sched.sampling_params import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -163,7 +163,7 @@ def generate(
     as_json: bool,
 ) -> None:
     """Continue one prompt and print the result (a one-shot check of the engine)."""
-    from kvd.engine.generate import GenerateError, generate_once
+    from kvd.oneshot.generate import GenerateError, generate_once
 
     if (prompt is None) == (prompt_file is None):
         fail("give exactly one of --prompt and --prompt-file")
@@ -354,20 +354,20 @@ def bench_int8(model: str, tokens: int, pool: str, raw: bool, as_json: bool) -> 
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 
-@bench.command("host-tier")
+@bench.command("host-cache")
 @click.option("--model", default="gemma3-270m", show_default=True)
 @click.option("--documents", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--doc-tokens", type=click.IntRange(min=32, max=900), default=384, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=2), default=3, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_host_tier(
+def bench_host_cache(
     model: str, documents: int, doc_tokens: int, rounds: int, as_json: bool
 ) -> None:
-    """The prefix cache's host tier on and off over reused prefixes larger
+    """The host cache on and off over reused prefixes larger
     than the pool: prefill tokens saved, TTFT, outputs equal."""
-    from kvd.bench.hosttier import render, run_host_tier_bench
+    from kvd.bench.hostcache import render, run_host_cache_bench
 
-    report = run_host_tier_bench(model, documents=documents, doc_tokens=doc_tokens, rounds=rounds)
+    report = run_host_cache_bench(model, documents=documents, doc_tokens=doc_tokens, rounds=rounds)
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 

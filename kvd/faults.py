@@ -12,7 +12,7 @@ that time and every later one. The points and what they can do:
 - ``tokenize:raise`` / ``detokenize:raise``: turning a request's prompt into
   tokens, or its tokens into text, fails (counted per prompt, and per batch
   of tokens handed to a client);
-- ``d2h:fail``: a device-to-host copy fails (swap-outs and host-tier
+- ``d2h:fail``: a device-to-host copy fails (swap-outs and host-cache
   offloads);
 - ``statefile:enospc`` / ``statefile:readonly``: writing the state file fails
   as on a full or read-only disk.

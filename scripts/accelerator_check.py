@@ -25,8 +25,8 @@ import numpy as np
 from kvd.engine.config import PRESETS
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, _numpy_dtype
-from kvd.engine.sampling import SamplingParams
 from kvd.engine.weights import random_params
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, TenantConfig
 
 

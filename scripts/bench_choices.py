@@ -15,7 +15,7 @@ import time
 
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import load_model
-from kvd.engine.sampling_params import SamplingParams
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, TenantConfig
 
 

@@ -26,9 +26,9 @@ import jsonschema
 
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import load_model
-from kvd.engine.sampling_params import SamplingParams
 from kvd.engine.tokenizer import ChatMessage
 from kvd.kv.columns import COMPUTED, LENGTH
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, TenantConfig
 from kvd.server.grammar import Grammar, GrammarCompiler
 

@@ -1,5 +1,7 @@
 """The package's import graph: no circle (a module-level or a deferred
-import alike), and the scheduler and KV core free of JAX."""
+import alike), between modules or between packages; packages depend one
+way (kv <- sched <- engine <- oneshot, server <- bench, cli); and the
+scheduler and KV manager free of JAX."""
 
 from __future__ import annotations
 
@@ -8,16 +10,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kvd"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvd"
+
+# Each package imports only packages of a lower rank (kvd's own modules of
+# one concept, faults/units/clikit, sit below them all).
+RANKS = {
+    "kvd.kv": 1,
+    "kvd.sched": 2,
+    "kvd.engine": 3,
+    "kvd.oneshot": 4,
+    "kvd.server": 4,
+    "kvctl.admin": 5,  # the admin socket's client, which the benchmarks drive too
+    "kvd.bench": 6,
+    "kvd.experiments": 7,
+    "kvd.cli": 8,
+    "kvctl.cli": 9,
+}
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def import_graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "kvctl").rglob("*.py")]
+    modules = {_module_name(p): p for p in files}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
@@ -65,9 +84,51 @@ def test_no_import_circle() -> None:
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
+def package_of(module: str) -> str:
+    """``kvd.sched.book`` -> ``kvd.sched``; a top-level module (``kvd.cli``,
+    ``kvctl.admin``) is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        mine = package_of(module)
+        graph.setdefault(mine, set()).update(
+            other for other in map(package_of, targets) if other != mine
+        )
+    return graph
+
+
+def test_packages_depend_one_way() -> None:
+    graph = package_graph()
+    assert "kvd.kv" in graph["kvd.sched"]  # the graph sees real edges
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+    uphill = sorted(
+        f"{package} imports {other}"
+        for package, others in graph.items()
+        for other in others
+        if other in RANKS and RANKS[other] >= RANKS.get(package, 0)
+    )
+    assert not uphill, uphill
+    # Besides the ranked: the packages' __init__ modules and kvd's one-concept
+    # modules (faults, units, clikit), which import no ranked package.
+    unranked = {p for p in graph if p not in RANKS}
+    assert unranked <= {"kvd", "kvctl", "kvd.faults", "kvd.units", "kvd.clikit"}, unranked
+    assert not any(graph[p] & RANKS.keys() for p in unranked), {p: graph[p] for p in unranked}
+
+
+def test_the_attention_kernel_lives_under_the_engine() -> None:
+    graph = import_graph()
+    kernel = "kvd.engine.kernels.ragged_paged_attention"
+    assert kernel in graph
+    assert not (ROOT / "kernels").exists()
+    assert all(t.startswith(("kvd.engine", "kvd.kv")) for t in graph[kernel]), graph[kernel]
+
+
 def test_the_scheduler_and_kv_core_import_no_jax() -> None:
     code = (
-        "import sys, kvd.kv, kvd.sched, kvd.sched.scheduler, kvd.sched.batch, "
+        "import sys, kvd.kv, kvd.sched, kvd.sched.scheduler, kvd.oneshot.batch, "
         "kvd.sched.simulated, kvd.sched.costmodel; "
         "assert 'jax' not in sys.modules, 'jax imported'"
     )

@@ -77,8 +77,8 @@ def run_decode_bench(
 ) -> DecodeReport:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model
-    from kvd.engine.sampling import SamplingParams
-    from kvd.sched.batch import BatchGenerator
+    from kvd.oneshot.batch import BatchGenerator
+    from kvd.sched.sampling_params import SamplingParams
 
     say("measuring the GEMM roofline")
     roofline = gemm_roofline()

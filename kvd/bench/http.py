@@ -328,7 +328,7 @@ def run_inprocess(
     loaded = load(config, lambda event, fields: None)
     scheduler = loaded.scheduler
     tokenizer = loaded.tokenizer
-    from kvd.engine.sampling import SamplingParams
+    from kvd.sched.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     encoded = [tokenizer.encode(t) for t in texts]

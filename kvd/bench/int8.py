@@ -72,8 +72,8 @@ def run_int8_bench(
 ) -> Int8Report:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import load_model
-    from kvd.engine.sampling import SamplingParams
-    from kvd.sched.batch import BatchGenerator
+    from kvd.oneshot.batch import BatchGenerator
+    from kvd.sched.sampling_params import SamplingParams
     from kvd.units import parse_size
 
     loaded = load_model(model_name, "float32")
@@ -212,7 +212,7 @@ class _TeacherForced:
             group, slot = layout.group_of_layer(layer)
             kind = config.layer_kinds[layer]
             shape = (
-                layout.groups[group].slots, 2, self.block_size,
+                layout.groups[group].places, 2, self.block_size,
                 config.kv_heads_of(kind), config.head_dim_of(kind),
             )  # fmt: skip
             pages = [p for p in tables[group] if p]

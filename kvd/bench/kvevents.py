@@ -98,7 +98,7 @@ def run_kv_events_bench(
 ) -> KVEventsBenchReport:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, load_model, random_model_with_tokenizer
-    from kvd.engine.sampling import SamplingParams
+    from kvd.sched.sampling_params import SamplingParams
     from kvd.server.config import KVEventsSection
     from kvd.server.kvevents import KVEventPublisher
 

@@ -104,9 +104,9 @@ def run_prefill_bench(
 ) -> PrefillReport:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model
-    from kvd.engine.sampling import SamplingParams
     from kvd.kv.layout import build_layout
-    from kvd.sched.batch import BatchGenerator
+    from kvd.oneshot.batch import BatchGenerator
+    from kvd.sched.sampling_params import SamplingParams
 
     say("measuring the GEMM roofline")
     roofline = gemm_roofline()

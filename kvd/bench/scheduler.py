@@ -44,7 +44,7 @@ class SchedulerBenchReport(msgspec.Struct, frozen=True):
 def bench_overhead(running: int, steps: int) -> OverheadFigures:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import random_model
-    from kvd.engine.sampling import SamplingParams
+    from kvd.sched.sampling_params import SamplingParams
     from kvd.sched.scheduler import Scheduler, TenantConfig
 
     engine = Engine(

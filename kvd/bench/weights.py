@@ -104,8 +104,8 @@ def run_weights_bench(
 ) -> WeightsReport:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, load_model
-    from kvd.engine.sampling_params import SamplingParams
-    from kvd.sched.batch import BatchGenerator
+    from kvd.oneshot.batch import BatchGenerator
+    from kvd.sched.sampling_params import SamplingParams
 
     formats = ("none", "int8")
     engines: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Paged attention for a ragged batch: the one function a TPU kernel replaces.
 
-The contract (shared with ``kernels/ragged_paged_attention.py``): a flattened
+The contract (shared with ``kvd/engine/kernels/ragged_paged_attention.py``): a flattened
 batch of prefill chunks and decode tokens, the tokens of one sequence
 contiguous and in position order. Each token attends over its own sequence's
 pages, found through the block table, under a causal mask and, on sliding
@@ -83,15 +83,15 @@ def resolve_attention() -> str:
 
 
 def attend(
-    implementation: str, q: jax.Array, view: jax.Array, slot: Any, *args: Any, **kwargs: Any
+    implementation: str, q: jax.Array, view: jax.Array, place: Any, *args: Any, **kwargs: Any
 ) -> jax.Array:
     """The engine's one attention entry point: the kernel or the reference."""
     if implementation == "reference":
-        return paged_attention(q, view, slot, *args, **kwargs)
-    from kernels.ragged_paged_attention import ragged_paged_attention
+        return paged_attention(q, view, place, *args, **kwargs)
+    from kvd.engine.kernels.ragged_paged_attention import ragged_paged_attention
 
     return ragged_paged_attention(
-        q, view, slot, *args, interpret=implementation == "pallas-interpret", **kwargs
+        q, view, place, *args, interpret=implementation == "pallas-interpret", **kwargs
     )
 
 
@@ -107,9 +107,9 @@ class _Tiles(NamedTuple):
 
 def paged_attention(
     q: jax.Array,  # [T, N, H] queries (RoPE applied)
-    view: jax.Array,  # [P, slots, 2, L, K, H] the pool seen by this layer's page group
+    view: jax.Array,  # [P, places, 2, L, K, H] the pool seen by this layer's page group
     # (an int8 pool: [..., H + 4], dequantised as pages are gathered)
-    slot: Any,  # this layer's slot in the page
+    place: Any,  # this layer's place in its group's pages
     tables: jax.Array,  # [S, W] block tables of this page group (rings, see above)
     seq_index: jax.Array,  # [T] sequence row of each token
     positions: jax.Array,  # [T] position of each token; negative: padding
@@ -129,7 +129,7 @@ def paged_attention(
     singles, multis, offset = _tile(seq_index, positions, num_rows, num_tokens > LONE_ONLY)
     block_size = view.shape[3]
     attend_tiles = _tile_attention(
-        q, view, slot, tables, ring, window, scale=scale, softcap=softcap
+        q, view, place, tables, ring, window, scale=scale, softcap=softcap
     )
     out_single = attend_tiles(singles, 1, SINGLE_ITEMS, max(1, KEY_CHUNK // block_size))
     out_multi = attend_tiles(  # [m, QUERY_TILE, N, H]
@@ -193,7 +193,7 @@ def _tiles_of(
 def _tile_attention(
     q: jax.Array,
     view: jax.Array,
-    slot: Any,
+    place: Any,
     tables: jax.Array,
     ring: Any,
     window: Any,
@@ -249,7 +249,7 @@ def _tile_attention(
             )
             # Blocks nobody in the tile sees read the null page, never a stale entry.
             pages = jnp.where(seen, tables[seq[:, None], blocks % ring], 0)
-            kv = view[pages, slot]  # [B, c, 2, L, K, H]: keys and values in one gather
+            kv = view[pages, place]  # [B, c, 2, L, K, H]: keys and values in one gather
             keys = from_pool(kv[:, :, 0].reshape(items, chunk, num_kv, -1), head_dim, q.dtype)
             values = from_pool(kv[:, :, 1].reshape(items, chunk, num_kv, -1), head_dim, q.dtype)
             scores = jnp.einsum("bqkgh,bckh->bkgqc", queries[tile], keys).astype(jnp.float32)

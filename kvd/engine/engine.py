@@ -104,7 +104,7 @@ def run_body(
     buffer: one shape for every bucket, so the prompt-scoring program that
     reads it compiles once; rows past the step's hold stale values, never
     scored), and the pool."""
-    groups = len(spec.group_slots)
+    groups = len(spec.group_places)
     batch = StepBatch(*unpack(flat, batch_shapes(tokens, max_seqs, width, groups)))
     hidden, pool = body(spec, params, pool, batch)
     every = jax.lax.dynamic_update_slice(every, hidden.astype(every.dtype), (0, 0))
@@ -505,7 +505,7 @@ class Engine:
         """``copy_out`` without waiting: the gather is dispatched (ordered
         before any later step that overwrites those pages) and its result
         starts moving to the host; ``np.asarray`` on what is returned waits
-        for it. The host tier's offloads use this, so a step does not wait
+        for it. The host cache's offloads use this, so a step does not wait
         for the copies of the pages it is about to reuse."""
         if faults.fire("d2h") == "fail":
             raise faults.InjectedFault("injected: a device-to-host copy failed")
@@ -650,12 +650,12 @@ class Engine:
         counts: list[int],
         params: ParamsLookup,
         slots: np.ndarray[Any, Any],
-        block: np.ndarray[Any, Any],
+        before: np.ndarray[Any, Any],
         masks: np.ndarray[Any, Any] | None = None,
     ) -> StepOutput:
         """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated)
         and return what each sampled (the alternatives only when one asked); ``slots``:
-        the sequences' ``kv.slots_of``, ``block`` their columns before the step
+        the sequences' ``kv.slots_of``, ``before`` their columns before the step
         (``kv.columns.matrix[:, slots]``); ``masks``: structured output's token
         bitmasks, a row per sequence, or None. The caller commits the tokens.
 
@@ -669,21 +669,26 @@ class Engine:
             raise EngineError(f"{count} sequences exceed max_num_seqs {self.config.max_num_seqs}")
         if self.kv is None:
             raise EngineError("bind a KV manager before running a step")
-        starts = block[COMPUTED]
+        starts = before[COMPUTED]
         total = sum(counts)
-        decodes = total == count and bool((block[LENGTH] == starts + 1).all())
+        decodes = total == count and bool((before[LENGTH] == starts + 1).all())
         tokens_bucket = bucket(total, self.token_buckets)
         seqs_bucket = bucket(count, self.seq_buckets)
-        width = bucket(int(block[BLOCKS].max()), self.block_buckets)
+        width = bucket(int(before[BLOCKS].max()), self.block_buckets)
         cache = self._rows
         rows = np.zeros(self.config.max_num_seqs, np.int64)
         rows[:count] = cache.prepare(
-            seqs, slots, params, block[TABLE_VERSION], block[SERIAL], self._table_edits
+            seqs, slots, params, before[TABLE_VERSION], before[SERIAL], self._table_edits
         )
         tables = cache.tables[:, rows, :width]
         if decodes:  # each computes its newest token: the most common step by far
             flat = pack_decode_step(
-                block[LAST_TOKEN], starts, tables, self.layout.block_size, tokens_bucket, self.rings
+                before[LAST_TOKEN],
+                starts,
+                tables,
+                self.layout.block_size,
+                tokens_bucket,
+                self.rings,
             )
             ends = starts + 1
         else:

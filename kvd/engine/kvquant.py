@@ -6,7 +6,7 @@ per ``group`` values, each scale bitcast to 4 int8 bytes: ``[..., H + 4H/group]`
 256-wide row has one scale and Gemma 4's 512-wide global rows two), and
 ``from_pool`` reads it back from the row width. The scales live inside the
 page, so a page is still one row of the one pool array: swapping, the host
-tier and tensor-parallel splits (by KV head) move scales with their values
+cache and tensor-parallel splits (by KV head) move scales with their values
 and need no second array.
 
 Why per token and not per block: the step writes a block one token at a time

@@ -7,7 +7,7 @@ Shapes, one letter each everywhere (comments and einsum strings):
     P pages         W blocks per block table   L block size (tokens per page)
 
 The pool is ONE array ``[P, E]``: page groups view it with their own shape
-``[P, slots, 2, L, K, H]`` (every group's page has the same bytes, see
+``[P, places, 2, L, K, H]`` (every group's page has the same bytes, see
 kvd/kv/layout.py; an int8 pool's rows are ``H + 4``: values and their scale,
 kvd/engine/kvquant.py). The host hands in int32 tables only: where each new token's
 K/V go (page and offset per group) and each sequence's block table per group.
@@ -53,8 +53,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
 
     config: ModelConfig
     block_size: int
-    layer_places: tuple[tuple[int, int], ...]  # per layer: (page group, slot in page)
-    group_slots: tuple[int, ...]  # layer slots per page, per page group
+    layer_places: tuple[tuple[int, int], ...]  # per layer: (page group, place in page)
+    group_places: tuple[int, ...]  # layer places per page, per page group
     attention: str = "reference"  # see kvd.engine.attention.resolve_attention
     # Entries of a sliding group's table, a ring (kvd.engine.batching.sliding_ring);
     # 0: sliding tables are as wide as global ones.
@@ -67,19 +67,19 @@ class EngineSpec(msgspec.Struct, frozen=True):
             config,
             layout.block_size,
             places,
-            tuple(g.slots for g in layout.groups),
+            tuple(g.places for g in layout.groups),
             resolve_attention(),
             sliding_ring,
         )
 
-    def slots_of(self, kind: AttentionKind) -> int:
-        """Layer slots per page of this kind's groups (the same for all of them)."""
-        (slots,) = {
-            self.group_slots[g]
+    def places_of(self, kind: AttentionKind) -> int:
+        """Layer places per page of this kind's groups (the same for all of them)."""
+        (places,) = {
+            self.group_places[g]
             for (g, _), k in zip(self.layer_places, self.config.layer_kinds, strict=True)
             if k is kind
         }
-        return slots
+        return places
 
     @property
     def uniform(self) -> bool:
@@ -89,7 +89,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
         kinds = set(cfg.layer_kinds)
         return (
             len({(cfg.kv_heads_of(k), cfg.head_dim_of(k)) for k in kinds}) == 1
-            and len(set(self.group_slots)) == 1
+            and len(set(self.group_places)) == 1
             and not cfg.layer_scalar
         )
 
@@ -117,7 +117,7 @@ class _LayerPlace(NamedTuple):
     """Where a layer's KV lives and how it attends (ints, or traced in a scan)."""
 
     group: Any
-    slot: Any
+    in_page: Any  # the layer's place in its group's pages
     window: Any  # tokens; the global layers get one longer than any sequence
     is_global: Any
 
@@ -185,12 +185,12 @@ def _attention_block(
         q, k, v = q @ turn_, k @ turn_, v @ turn_
 
     num_pages = pool.shape[0]
-    slots = spec.slots_of(kind)
+    places = spec.places_of(kind)
     # The last axis is head_dim, or head_dim + the scale's bytes in an int8 pool.
-    view = pool.reshape(num_pages, slots, 2, spec.block_size, n_kv, -1)
+    view = pool.reshape(num_pages, places, 2, spec.block_size, n_kv, -1)
     pages, offsets = batch.write_pages[place.group], batch.write_offsets
-    view = view.at[pages, place.slot, 0, offsets].set(to_pool(k, view.dtype, view.shape[-1]))
-    view = view.at[pages, place.slot, 1, offsets].set(to_pool(v, view.dtype, view.shape[-1]))
+    view = view.at[pages, place.in_page, 0, offsets].set(to_pool(k, view.dtype, view.shape[-1]))
+    view = view.at[pages, place.in_page, 1, offsets].set(to_pool(v, view.dtype, view.shape[-1]))
     tables, ring = batch.tables[place.group], None
     if spec.sliding_ring:
         if len(ropes) == 1:  # ``kind`` is this layer's: the ring is the table
@@ -202,7 +202,7 @@ def _attention_block(
         spec.attention,
         q,
         view,
-        place.slot,
+        place.in_page,
         tables,
         batch.seq_index,
         batch.positions,
@@ -271,7 +271,7 @@ def body(
     if "stack" in params:
         places = _LayerPlace(
             group=jnp.asarray([g for g, _ in spec.layer_places], jnp.int32),
-            slot=jnp.asarray([s for _, s in spec.layer_places], jnp.int32),
+            in_page=jnp.asarray([p for _, p in spec.layer_places], jnp.int32),
             window=jnp.asarray(windows, jnp.int32),
             is_global=jnp.asarray([k is AttentionKind.GLOBAL for k in cfg.layer_kinds]),
         )
@@ -286,10 +286,10 @@ def body(
         (x, pool), _ = jax.lax.scan(one_layer, (x, pool), (params["stack"], places))
         return x, pool
     for layer, kind in enumerate(cfg.layer_kinds):
-        group, slot = spec.layer_places[layer]
+        group, in_page = spec.layer_places[layer]
         place = _LayerPlace(
             jnp.int32(group),
-            jnp.int32(slot),
+            jnp.int32(in_page),
             jnp.int32(windows[layer]),
             kind is AttentionKind.GLOBAL,
         )

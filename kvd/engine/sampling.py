@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvd.engine.sampling_params import (  # re-exported: the engine's names
+from kvd.sched.sampling_params import (  # re-exported: the engine's names
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     MAX_TEMPERATURE,

@@ -3,7 +3,7 @@ next to what the pool really spends.
 
 For the embedded 270M the allocated side is measured on a real engine: its
 pool array's bytes over the tokens that pool holds in every layer (the null
-page, padded layer slots and block granularity included), plus the block
+page, padded layer places and block granularity included), plus the block
 table entries a token costs. For the seed's Gemma 4 12B the same accounting
 runs on the layout the engine would build (no weights needed), at bf16, fp8
 and int8; for the 270M the test checks that this accounting equals the real
@@ -30,7 +30,7 @@ class GroupBytes(msgspec.Struct, frozen=True):
     group: int
     kind: str
     layers: int
-    slots: int  # layer slots per page (slots - layers are padding)
+    places: int  # layer places per page (places - layers are padding)
     formula_bytes_per_token: int  # 2 x layers x kv_heads x head_dim x bytes per element
     page_bytes_per_token: int  # page bytes / block size
 
@@ -60,7 +60,7 @@ def group_bytes(layout: PageLayout) -> list[GroupBytes]:
                 group=group.index,
                 kind=group.kind.value,
                 layers=len(group.layers),
-                slots=group.slots,
+                places=group.places,
                 formula_bytes_per_token=per_layer * len(group.layers),
                 page_bytes_per_token=layout.page_bytes // layout.block_size,
             )
@@ -118,7 +118,7 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
         "bytes",
         QUESTION,
         quick,
-        ["model", "dtype", "group", "layers/slots", "formula B/tok", "page B/tok", "source"],
+        ["model", "dtype", "group", "layers/places", "formula B/tok", "page B/tok", "source"],
     )
     with timed(result):
         say("the embedded model's pool, as a real engine allocates it")
@@ -133,7 +133,7 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
                         p.model,
                         p.dtype,
                         f"{g.group} {g.kind}",
-                        f"{g.layers}/{g.slots}",
+                        f"{g.layers}/{g.places}",
                         f"{g.formula_bytes_per_token:,}",
                         f"{g.page_bytes_per_token:,}",
                         p.source,
@@ -170,7 +170,7 @@ def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
         )
         result.notes.append(
             "allocated = pool array bytes / tokens resident in every layer (null page, "
-            "padded layer slots and whole blocks included); tables = int32 block-table "
+            "padded layer places and whole blocks included); tables = int32 block-table "
             "entries per token"
         )
         _plot(result, pools, out)

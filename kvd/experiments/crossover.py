@@ -21,11 +21,11 @@ from typing import Any
 
 import msgspec
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.experiments.results import ExperimentResult, Say, new_result, pyplot, save_plot, timed
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
+from kvd.sched.sampling_params import SamplingParams
 
 QUESTION = "where recompute stops beating swap"
 TENANT = "victims"
@@ -65,8 +65,8 @@ class _Runner:
             n = min(self.chunk, len(seq.tokens) - seq.num_computed)
             kv.allocate(seq, n)
             slots = kv.slots_of([seq])
-            block = kv.columns.matrix[:, slots]
-            sampled = self.engine.run([seq], [n], [self.greedy], slots, block).tokens
+            before = kv.columns.matrix[:, slots]
+            sampled = self.engine.run([seq], [n], [self.greedy], slots, before).tokens
             kv.commit(seq, n)
             token = int(sampled[0])
         self.engine.barrier()

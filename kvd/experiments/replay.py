@@ -18,7 +18,6 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.experiments.workload import Session, platform_segment, segment_tokens
 from kvd.kv.geometry import KVGeometry
 from kvd.kv.layout import PageLayout, build_layout
@@ -27,6 +26,7 @@ from kvd.kv.scope import PublicPrefixes, SharingPolicy, chain_hashes, resolve_sc
 from kvd.sched.costmodel import Rates
 from kvd.sched.executor import ExecutorLimits
 from kvd.sched.requests import Rejection
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler
 from kvd.sched.settings import SchedulerConfig, TenantConfig
 from kvd.sched.simulated import SimulatedExecutor

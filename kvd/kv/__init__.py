@@ -11,7 +11,7 @@ from kvd.kv.ledger import SHARED_ACCOUNT, BudgetError, BudgetMode, Ledger, Tenan
 from kvd.kv.manager import Demand, KVError, KVManager, PageCopy, PrefixHit
 from kvd.kv.pool import NULL_PAGE, PagePool
 from kvd.kv.scope import SharingPolicy
-from kvd.kv.sequence import KVState, Sequence
+from kvd.kv.sequence import Residency, Sequence
 
 __all__ = [
     "PRESETS",
@@ -25,7 +25,7 @@ __all__ = [
     "KVError",
     "KVGeometry",
     "KVManager",
-    "KVState",
+    "Residency",
     "LayerType",
     "Ledger",
     "PageCopy",

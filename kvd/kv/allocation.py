@@ -20,13 +20,13 @@ from kvd.kv.events import CPU
 from kvd.kv.prefix import PrefixCache
 from kvd.kv.records import Demand, KVError, PrefixHit
 from kvd.kv.registry import SequenceRegistry
-from kvd.kv.sequence import KVState, Sequence
+from kvd.kv.sequence import Residency, Sequence
 
 
 class Allocator:
     """Changes: the pages sequences hold (``pool.take``/``touch``), their tables,
     block counts, allocated counts and state from waiting to resident; the
-    host tier's claims (a reload); the registry's prefix counters and the
+    host cache's claims (a reload); the registry's prefix counters and the
     public prefixes' hit counts."""
 
     def __init__(self, registry: SequenceRegistry, prefix: PrefixCache) -> None:
@@ -40,7 +40,7 @@ class Allocator:
         fresh = max(0, needed_blocks - blocks) * self.registry.num_groups
         reused = charged = 0
         if hit is not None:
-            fresh += len(hit.reloads)  # host-tier blocks come back into fresh pages
+            fresh += len(hit.reloads)  # host-cache blocks come back into fresh pages
             charged += len(hit.reloads)
             holders, public = self.registry.pool.holders, self.registry.pool.public
             for table in hit.pages:
@@ -56,15 +56,15 @@ class Allocator:
         self.registry.own(seq)
         if num_tokens < 1:
             raise KVError("allocate at least one token")
-        if seq.state is KVState.WAITING:
+        if seq.residency is Residency.WAITING:
             computed = hit.num_tokens if hit is not None else 0
             blocks = hit.num_blocks if hit is not None else 0
-        elif seq.state is KVState.RESIDENT:
+        elif seq.residency is Residency.RESIDENT:
             if hit is not None:
                 raise KVError("a prefix hit applies only to a waiting sequence")
             computed, blocks = seq.num_computed, seq.num_blocks
         else:
-            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}")
+            raise KVError(f"sequence {seq.seq_id} is {seq.residency.value}")
         if computed + num_tokens > len(seq.tokens):
             raise KVError(
                 f"sequence {seq.seq_id} has {len(seq.tokens)} tokens; cannot compute "
@@ -82,7 +82,7 @@ class Allocator:
         False means the caller needs the full ``demand`` / ``allocate`` path."""
         new = seq.num_computed + num_tokens
         if (
-            seq.state is KVState.RESIDENT
+            seq.residency is Residency.RESIDENT
             and num_tokens >= 1
             and new <= seq.num_blocks * self.registry.block_size
             and new <= len(seq.tokens)
@@ -111,7 +111,7 @@ class Allocator:
     ) -> Demand | None:
         """``allocate`` if the pages and the budget are there (None); otherwise
         change nothing and return the demand that did not fit, for an eviction plan."""
-        if hit is None and seq.state is KVState.RESIDENT:
+        if hit is None and seq.residency is Residency.RESIDENT:
             return self._grow(seq, num_tokens)
         demand = self.demand(seq, num_tokens, hit)
         if hit is not None:
@@ -121,7 +121,7 @@ class Allocator:
                 raise KVError("stale prefix hit: the cache or sharing changed since the lookup")
         if not self.registry.fits(seq.tenant, demand):
             return demand
-        if seq.state is KVState.WAITING:
+        if seq.residency is Residency.WAITING:
             self._start(seq, hit)
         needed = -(-(seq.num_computed + num_tokens) // self.registry.block_size) - seq.num_blocks
         if needed > 0:
@@ -161,7 +161,7 @@ class Allocator:
     def _start(self, seq: Sequence, hit: PrefixHit | None) -> None:
         if seq.scope is None:
             self.prefix.ensure_scope(seq)
-        seq.state = KVState.RESIDENT
+        seq.residency = Residency.RESIDENT
         # The hit rate counts each request once, as its own cached_tokens does:
         # a preempted sequence re-finding its own blocks is not a prefix hit.
         first = seq.starts == 0
@@ -194,9 +194,9 @@ class Allocator:
             self.registry.public.hits[name] += served
 
     def _reload(self, seq: Sequence, hit: PrefixHit) -> None:
-        """Fresh pages for the hit's host-tier blocks, queued to be copied in,
+        """Fresh pages for the hit's host-cache blocks, queued to be copied in,
         and back in the device's cache under their keys. The blocks leave the
-        tier before pages are taken, so the evictions taking them may cause
+        host cache before pages are taken, so the evictions taking them may cause
         cannot drop them."""
         assert seq.scope is not None
         hashes = self.prefix.extend_hashes(seq, hit.num_blocks)
@@ -214,14 +214,14 @@ class Allocator:
             if self.registry.pool.events is not None:
                 if registered:
                     self.registry.pool.events.reloaded(key)
-                else:  # left the host tier, not findable on the device
+                else:  # left the host cache, not findable on the device
                     self.registry.pool.events.removed(key, CPU)
 
     def extend_decodes(
         self,
         seqs: list[Sequence],
         slots: np.ndarray[Any, Any] | None = None,
-        block: np.ndarray[Any, Any] | None = None,
+        before: np.ndarray[Any, Any] | None = None,
     ) -> list[int]:
         """Slots for one more token of every sequence that is one token from
         done (a decode), without the general allocation path; returns the
@@ -238,11 +238,11 @@ class Allocator:
             return []
         if slots is None:
             slots = self.registry.slots_of(seqs)
-        if block is None:
-            block = self.registry.columns.matrix[:, slots]
-        computed = block[COMPUTED]
-        decode = (block[RESIDENT] == 1) & (block[LENGTH] == computed + 1)
-        capacity = block[BLOCKS] * self.registry.block_size
+        if before is None:
+            before = self.registry.columns.matrix[:, slots]
+        computed = before[COMPUTED]
+        decode = (before[RESIDENT] == 1) & (before[LENGTH] == computed + 1)
+        capacity = before[BLOCKS] * self.registry.block_size
         fits = decode & (computed < capacity)
         left = np.flatnonzero(~fits)
         all_at_boundary = bool((decode[left] & (computed[left] == capacity[left])).all())
@@ -250,7 +250,7 @@ class Allocator:
             fits[left] = True
             left = left[:0]
         matrix = self.registry.columns.matrix
-        matrix[ALLOCATED, slots] = np.where(fits, computed + 1, block[ALLOCATED])
+        matrix[ALLOCATED, slots] = np.where(fits, computed + 1, before[ALLOCATED])
         return left.tolist()  # type: ignore[no-any-return]
 
     def _grow_by_one_block(self, seqs: list[Sequence]) -> bool:

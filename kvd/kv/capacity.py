@@ -93,7 +93,7 @@ class KvdCapacity(msgspec.Struct, frozen=True):
     groups: int
     global_groups: int
     sliding_groups: int
-    padded_layer_slots: int
+    padded_layer_places: int
     sliding_bytes_first_token: int  # what a 1-token sequence holds on sliding layers (lazy floor)
     total_tokens: int  # tokens resident when the pool is filled with one-block sequences
     max_sequences_512: int  # concurrent 512-token sequences
@@ -172,7 +172,7 @@ def kvd_capacity(
         groups=layout.num_groups,
         global_groups=len(probe.global_groups),
         sliding_groups=len(probe.sliding_groups),
-        padded_layer_slots=layout.padded_layer_slots(),
+        padded_layer_places=layout.padded_layer_places(),
         sliding_bytes_first_token=first_token_sliding,
         total_tokens=block_size * max_sequences(geometry, pool_bytes, block_size, block_size),
         max_sequences_512=max_sequences(geometry, pool_bytes, block_size, 512),

@@ -18,7 +18,7 @@ from kvd.kv.pool import NULL_PAGE
 from kvd.kv.prefix import PrefixCache
 from kvd.kv.records import KVError
 from kvd.kv.registry import SequenceRegistry
-from kvd.kv.sequence import KVState, Sequence
+from kvd.kv.sequence import Residency, Sequence
 
 
 class Committer:
@@ -37,8 +37,8 @@ class Committer:
         blocks no future query can see.
         """
         self.registry.own(seq)
-        if seq.state is not KVState.RESIDENT:
-            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
+        if seq.residency is not Residency.RESIDENT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.residency.value}, not resident")
         old = seq.num_computed
         new = old + num_tokens
         if num_tokens < 1 or new > seq.num_allocated:
@@ -70,15 +70,15 @@ class Committer:
             return
         if slots is None:
             slots = self.registry.slots_of(seqs)
-        block = self.registry.columns.matrix[:, slots]
+        before = self.registry.columns.matrix[:, slots]
         counts_array = np.asarray(counts, np.int64)
-        old = block[COMPUTED]
+        old = before[COMPUTED]
         new = old + counts_array
-        bad = (block[RESIDENT] != 1) | (counts_array < 1) | (new > block[ALLOCATED])
+        bad = (before[RESIDENT] != 1) | (counts_array < 1) | (new > before[ALLOCATED])
         if bad.any() or len(set(slots.tolist())) != len(seqs):
             for seq, count in zip(seqs, counts, strict=True):  # the precise error
-                if seq.state is not KVState.RESIDENT:
-                    raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
+                if seq.residency is not Residency.RESIDENT:
+                    raise KVError(f"sequence {seq.seq_id} is {seq.residency.value}, not resident")
                 if count < 1 or seq.num_computed + count > seq.num_allocated:
                     raise KVError(f"cannot commit {count} tokens to sequence {seq.seq_id}")
             raise KVError("a sequence appears twice in one commit")
@@ -87,17 +87,17 @@ class Committer:
         for i in np.flatnonzero(new // bs > old // bs).tolist():
             seq = seqs[i]
             self.prefix.register_blocks(seq, seq.registered, int(new[i]) // bs)
-        self._slide_moved(seqs, block, new)
+        self._slide_moved(seqs, before, new)
 
     def commit_decodes(
-        self, seqs: list[Sequence], slots: np.ndarray[Any, Any], block: np.ndarray[Any, Any]
+        self, seqs: list[Sequence], slots: np.ndarray[Any, Any], before: np.ndarray[Any, Any]
     ) -> None:
         """``commit_batch`` of one token each, for ``seqs`` at ``slots`` whose
-        columns before the step are ``block`` (``columns.matrix[:, slots]``)."""
-        computed = block[COMPUTED]
+        columns before the step are ``before`` (``columns.matrix[:, slots]``)."""
+        computed = before[COMPUTED]
         new = computed + 1
         # Resident (1), with a slot allocated for the token: the product is >= 1.
-        if int(((block[ALLOCATED] - computed) * block[RESIDENT]).min()) < 1 or len(
+        if int(((before[ALLOCATED] - computed) * before[RESIDENT]).min()) < 1 or len(
             set(slots.tolist())
         ) != len(seqs):
             self.commit_batch(seqs, [1] * len(seqs), slots)  # raises the precise error
@@ -107,17 +107,17 @@ class Committer:
         # of its pages (``_drop_all``), as SGLang inserts a request's output when
         # it finishes: hashing and indexing one block per sequence every
         # ``block_size`` steps would be a large share of a decode step's host time.
-        self._slide_moved(seqs, block, new)
+        self._slide_moved(seqs, before, new)
 
     def _slide_moved(
-        self, seqs: list[Sequence], block: np.ndarray[Any, Any], new: np.ndarray[Any, Any]
+        self, seqs: list[Sequence], before: np.ndarray[Any, Any], new: np.ndarray[Any, Any]
     ) -> None:
-        """After a batched commit to ``new`` computed tokens (``block``: the
+        """After a batched commit to ``new`` computed tokens (``before``: the
         columns before it), slide the windows that moved past a block."""
         if self.registry.window is None:
             return
         moved = (
-            new - self.registry.window + 1 >= (block[SLIDING_START] + 1) * self.registry.block_size
+            new - self.registry.window + 1 >= (before[SLIDING_START] + 1) * self.registry.block_size
         )
         for i in np.flatnonzero(moved).tolist():
             self._slide(seqs[i], self.registry.first_needed_block(int(new[i])))
@@ -145,7 +145,7 @@ class Committer:
         as much of itself as the pool could keep.
         """
         self.registry.own(seq)
-        if seq.state is KVState.SWAPPING_OUT:
+        if seq.residency is Residency.SWAPPING_OUT:
             raise KVError("finish a swap-out before releasing the sequence")
         self._drop_all(seq)
         seq.num_blocks = 0
@@ -153,15 +153,15 @@ class Committer:
         seq.sliding_start = 0
         seq.registered = 0
         seq.swapped_blocks = None
-        seq.state = KVState.WAITING
+        seq.residency = Residency.WAITING
 
     def finish(self, seq: Sequence) -> None:
         """Release every page and forget the sequence."""
         self.registry.own(seq)
-        if seq.state is KVState.SWAPPING_OUT:
+        if seq.residency is Residency.SWAPPING_OUT:
             raise KVError("finish a swap-out before removing the sequence")
         self.release(seq)
-        seq.state = KVState.RELEASED
+        seq.residency = Residency.RELEASED
         del self.registry.sequences[seq.seq_id]
         seq.detach()
 

@@ -3,8 +3,8 @@ gateway in vLLM's event format (``BlockStored``, ``BlockRemoved``,
 ``AllBlocksCleared``), so a cache-aware router can send a request to the
 replica that already holds its prefix.
 
-The pool and the host tier report every block that becomes findable in
-either tier and every block that stops being findable; this log turns those
+The pool and the host cache report every block that becomes findable in
+the device or the host cache and every block that stops being findable; this log turns those
 reports into events, in the order they happened, for the caller (the
 daemon's publisher) to take once per step. Nothing here does I/O.
 
@@ -33,9 +33,10 @@ import msgspec
 
 from kvd.kv.scope import PUBLIC_SCOPE
 
-CacheKey = tuple[int, bytes]  # (page group, block hash): the prefix cache's key on both tiers
+# (page group, block hash): the prefix cache's key, on the device and in the host cache
+CacheKey = tuple[int, bytes]
 
-GPU, CPU = "GPU", "CPU"  # vLLM's medium names: the device pool, the host tier
+GPU, CPU = "GPU", "CPU"  # vLLM's medium names: the device pool, the host cache
 FULL_ATTENTION, SLIDING_WINDOW = "full_attention", "sliding_window"
 
 
@@ -106,14 +107,14 @@ class GroupSpec(msgspec.Struct, frozen=True):
 
 
 class _Meta(msgspec.Struct, gc=False):
-    """What a stored block's event said, kept while either tier holds it (a
-    block moving to the host tier, or a resync, tells it again)."""
+    """What a stored block's event said, kept while the device or the host cache holds it (a
+    block moving to the host cache, or a resync, tells it again)."""
 
     parent: bytes | None
     tokens: tuple[int, ...]
     extra: tuple[Any, ...] | None
     private: bool
-    media: int = 0  # bit 1: on the device, bit 2: on the host tier
+    media: int = 0  # bit 1: on the device, bit 2: on the host cache
 
 
 _MEDIUM_BIT = {GPU: 1, CPU: 2}
@@ -163,13 +164,13 @@ class KVEventLog:
         self._add(key, meta, GPU)
 
     def offloaded(self, key: CacheKey) -> None:
-        """The host tier kept a copy of a block the device evicted."""
+        """The host cache kept a copy of a block the device evicted."""
         meta = self._meta.get(key)
         if meta is not None:
             self._add(key, meta, CPU)
 
     def reloaded(self, key: CacheKey) -> None:
-        """A block of the host tier was copied back and is findable on the
+        """A block of the host cache was copied back and is findable on the
         device again (and no longer on the host)."""
         meta = self._meta.get(key)
         if meta is not None:
@@ -264,7 +265,7 @@ class KVEventLog:
 
     def resync(self) -> list[Event]:
         """Everything held now, from scratch: ``AllBlocksCleared`` then every
-        block of either tier (for a subscriber that lost events). Replaces
+        block of the device or the host cache (for a subscriber that lost events). Replaces
         whatever was pending, which it includes."""
         self._events = [AllBlocksCleared()]
         self._open = {}
@@ -275,7 +276,8 @@ class KVEventLog:
         return self.take()
 
     def held(self, medium: str) -> set[CacheKey]:
-        """Keys this log believes ``medium`` holds (checked against the tiers)."""
+        """Keys this log believes ``medium`` holds (checked against the pool
+        and the host cache)."""
         bit = _MEDIUM_BIT[medium]
         return {key for key, meta in self._meta.items() if meta.media & bit}
 

@@ -36,7 +36,7 @@ import msgspec
 
 from kvd.kv.ledger import SHARED_ACCOUNT, BudgetMode
 from kvd.kv.manager import Demand, KVManager, PrefixHit
-from kvd.kv.sequence import KVState, Sequence
+from kvd.kv.sequence import Residency, Sequence
 
 
 class Victim(msgspec.Struct, frozen=True):
@@ -80,7 +80,7 @@ def plan_eviction(
         return EvictionPlan((), "none-needed")
     sim = _Simulation(kv, requester, hit)
     if ledger.mode is BudgetMode.FREE:
-        if requester.state is not KVState.RESIDENT:
+        if requester.residency is not Residency.RESIDENT:
             return None
         candidates = [s for s in _resident(kv) if less_important(s, requester)]
         return _greedy(sim, candidates, max(short, over_budget), 0, None, "fcfs")
@@ -92,7 +92,7 @@ def plan_eviction(
 
 
 def _resident(kv: KVManager) -> list[Sequence]:
-    return [s for s in kv.sequences.values() if s.state is KVState.RESIDENT]
+    return [s for s in kv.sequences.values() if s.residency is Residency.RESIDENT]
 
 
 def _eviction_order(seq: Sequence) -> tuple[int, int]:

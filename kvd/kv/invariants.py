@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvd.kv.columns import LAST_TOKEN, LENGTH, RESIDENT
 from kvd.kv.registry import SequenceRegistry
-from kvd.kv.sequence import KVState
+from kvd.kv.sequence import Residency
 
 
 def check_invariants(kv: SequenceRegistry) -> None:
@@ -13,7 +13,7 @@ def check_invariants(kv: SequenceRegistry) -> None:
     kv.pool.check_invariants()
     refs: dict[int, dict[str, int]] = {}
     for seq in kv.sequences.values():
-        if seq.state in (KVState.RESIDENT, KVState.SWAPPING_OUT):
+        if seq.residency in (Residency.RESIDENT, Residency.SWAPPING_OUT):
             assert all(len(t) == seq.num_blocks for t in seq.tables), seq
             assert seq.num_computed <= seq.num_blocks * kv.block_size, seq
             # No block beyond what the known tokens need: waste is at most
@@ -35,4 +35,4 @@ def check_invariants(kv: SequenceRegistry) -> None:
         assert columns.get(LENGTH, seq.slot) == len(seq.tokens), seq
         last = seq.tokens[-1] if seq.tokens else 0
         assert columns.get(LAST_TOKEN, seq.slot) == last, seq
-        assert columns.get(RESIDENT, seq.slot) == (seq.state is KVState.RESIDENT), seq
+        assert columns.get(RESIDENT, seq.slot) == (seq.residency is Residency.RESIDENT), seq

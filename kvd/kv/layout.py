@@ -11,7 +11,7 @@ page of either is 1 MiB at block 16 in bf16, and any free page serves both.
 Every group has its own block table per sequence (the device gathers a page
 and views it with that group's shape); groups of the same kind allocate in
 lock-step. The grouping picks, among layer counts that make page bytes equal,
-the least padding (padded slots are bytes nobody can use) among groupings of at
+the least padding (padded places are bytes nobody can use) among groupings of at
 most MAX_GROUPS groups (each group costs host bookkeeping per block), then
 the fewest groups.
 """
@@ -32,7 +32,7 @@ class PageGroup(msgspec.Struct, frozen=True):
     index: int
     kind: AttentionKind
     layers: tuple[int, ...]  # model layer indices stored in this group's pages
-    slots: int  # layer slots per page, >= len(layers); the rest is padding
+    places: int  # layer places per page, >= len(layers); the rest is padding
     window: int | None  # sliding window in tokens, None for global groups
 
 
@@ -49,8 +49,8 @@ class PageLayout(msgspec.Struct, frozen=True):
     def groups_of(self, kind: AttentionKind) -> tuple[PageGroup, ...]:
         return tuple(g for g in self.groups if g.kind is kind)
 
-    def padded_layer_slots(self) -> int:
-        return sum(g.slots - len(g.layers) for g in self.groups)
+    def padded_layer_places(self) -> int:
+        return sum(g.places - len(g.layers) for g in self.groups)
 
     def num_pages(self, pool_bytes: int) -> int:
         return pool_bytes // self.page_bytes
@@ -80,15 +80,15 @@ class PageLayout(msgspec.Struct, frozen=True):
         return total
 
     def group_of_layer(self, layer: int) -> tuple[int, int]:
-        """(group index, slot within the page) where a model layer's KV lives."""
+        """(group index, place within the page) where a model layer's KV lives."""
         for group in self.groups:
             if layer in group.layers:
                 return group.index, group.layers.index(layer)
         raise KeyError(layer)
 
 
-# Padded layer slots are pool bytes nobody can use, so an exact fit wins unless
-# it needs more groups than this (Gemma 3 4B: 7 groups with 1 padded slot, not 34).
+# Padded layer places are pool bytes nobody can use, so an exact fit wins unless
+# it needs more groups than this (Gemma 3 4B: 7 groups with 1 padded place, not 34).
 MAX_GROUPS = 16
 
 
@@ -103,30 +103,30 @@ def build_layout(geometry: KVGeometry, block_size: int) -> PageLayout:
     kinds = geometry.kinds()
     per_layer = {k: geometry.bytes_per_token_per_layer(k) for k in kinds}
     counts = {k: len(geometry.layers_of(k)) for k in kinds}
-    slots = _choose_slots(per_layer, counts)
+    places = _choose_places(per_layer, counts)
     groups: list[PageGroup] = []
     for kind in kinds:
         layer_ids = geometry.layers_of(kind)
         window = geometry.layer_type(kind).window
-        for start in range(0, len(layer_ids), slots[kind]):
-            chunk = layer_ids[start : start + slots[kind]]
-            groups.append(PageGroup(len(groups), kind, chunk, slots[kind], window))
-    page_bytes = block_size * slots[kinds[0]] * per_layer[kinds[0]]
+        for start in range(0, len(layer_ids), places[kind]):
+            chunk = layer_ids[start : start + places[kind]]
+            groups.append(PageGroup(len(groups), kind, chunk, places[kind], window))
+    page_bytes = block_size * places[kinds[0]] * per_layer[kinds[0]]
     return PageLayout(geometry, block_size, tuple(groups), page_bytes)
 
 
-def _choose_slots(
+def _choose_places(
     per_layer: dict[AttentionKind, int], counts: dict[AttentionKind, int]
 ) -> dict[AttentionKind, int]:
     unit = math.lcm(*per_layer.values())
     candidates: list[tuple[tuple[bool, int, int], dict[AttentionKind, int]]] = []
     multiple = 1
     while True:
-        slots = {k: unit * multiple // b for k, b in per_layer.items()}
-        padding = sum(_ceil_div(counts[k], s) * s - counts[k] for k, s in slots.items())
-        num_groups = sum(_ceil_div(counts[k], s) for k, s in slots.items())
-        candidates.append(((num_groups > MAX_GROUPS, padding, num_groups), slots))
-        if all(s >= counts[k] for k, s in slots.items()):
+        places = {k: unit * multiple // b for k, b in per_layer.items()}
+        padding = sum(_ceil_div(counts[k], s) * s - counts[k] for k, s in places.items())
+        num_groups = sum(_ceil_div(counts[k], s) for k, s in places.items())
+        candidates.append(((num_groups > MAX_GROUPS, padding, num_groups), places))
+        if all(s >= counts[k] for k, s in places.items()):
             return min(candidates, key=lambda c: c[0])[1]
         multiple += 1
 

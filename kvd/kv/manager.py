@@ -12,8 +12,8 @@ It is sans-IO and synchronous. The scheduler drives it per step::
     kv.append_tokens(seq, [sampled])
     kv.finish(seq)                            # pages back to the pool
 
-A prefix hit stays valid until a cached block leaves either tier or the host
-tier hands one back (``cache_epoch()`` moves) or the sharing configuration
+A prefix hit stays valid until a cached block leaves the device or the host
+cache, or the host cache hands one back (``cache_epoch()`` moves) or the sharing configuration
 changes (``generation`` moves: a policy switch or a public-prefix change), so
 lookup, check and allocate belong in one scheduling decision; ``allocate``
 refuses a stale hit (``hit_is_current``).
@@ -26,13 +26,13 @@ LRU cache if it is full, so a later request with the same prefix can still
 use it). A short sequence therefore never pays the eager window floor.
 
 The manager is composed of parts, one concept per module, that share one
-record, ``registry.py`` (the pool, the ledger, the host tier, the live
+record, ``registry.py`` (the pool, the ledger, the host cache, the live
 sequences), each saying which of its fields it changes: ``prefix.py`` (lookup
 and caching), ``allocation.py`` (growing), ``commit.py`` (commits, sliding,
-release), ``swap.py`` (to host memory and back); ``hosttier.py`` keeps
+release), ``swap.py`` (to host memory and back); ``hostcache.py`` keeps
 cached blocks in host memory after eviction, and ``invariants.py`` checks the
 whole. The manager holds the parts, forwards their interface, and owns live
-configuration (tenants, sharing, the host tier's size) and reporting.
+configuration (tenants, sharing, the host cache's size) and reporting.
 """
 
 from __future__ import annotations
@@ -144,25 +144,25 @@ class KVManager:
         self.host.add_account(name)
 
     def remove_tenant(self, name: str) -> None:
-        """Forget a tenant; its blocks on the host tier go with it (its idle
+        """Forget a tenant; its blocks on the host cache go with it (its idle
         device pages stay cached until evicted, and are then not kept)."""
         if any(s.tenant == name for s in self.sequences.values()):
             raise KVError(f"tenant {name!r} still has sequences")
         self.ledger.remove_tenant(name)
         self.host.remove_account(name)
 
-    def enable_host_tier(self, pages: int) -> None:
+    def enable_host_cache(self, pages: int) -> None:
         """Keep evicted cached pages in a host budget of ``pages`` pages (shared
-        with swapped-out sequences); 0 turns the tier off and empties it."""
+        with swapped-out sequences); 0 turns the host cache off and empties it."""
         if pages < 0:
-            raise ValueError("a host tier cannot hold fewer than 0 pages")
+            raise ValueError("a host cache cannot hold fewer than 0 pages")
         self.host.resize(pages)
         self.pool.host = self.host if pages > 0 else None
         if not pages:
             self.host.drop_where()
 
     def enable_events(self, private_blocks: PrivateBlocks = PrivateBlocks.TOKEN_IDS) -> KVEventLog:
-        """Log every block either tier starts or stops holding, as KV events
+        """Log every block the device or the host cache starts or stops holding, as KV events
         (``kvd.kv.events``), from an empty cache: call it before any block is
         cached, or a subscriber misses those already held."""
         groups = [
@@ -176,8 +176,8 @@ class KVManager:
         return log
 
     def set_host_quota(self, name: str, pages: int | None) -> int:
-        """Most host-tier pages ``name``'s blocks may hold (None: the whole
-        tier); blocks past a lowered quota are dropped at once (returned)."""
+        """Most host-cache pages ``name``'s blocks may hold (None: the whole
+        host cache); blocks past a lowered quota are dropped at once (returned)."""
         self.ledger.tenant(name)  # raises BudgetError for an unknown tenant
         return self.host.set_quota(name, pages)
 
@@ -213,7 +213,7 @@ class KVManager:
         return sum(length // self.block_size for length in lengths) * self.num_groups
 
     def flush_cache(self) -> int:
-        """Forget all cached pages nobody uses, on both tiers; returns how
+        """Forget all cached pages nobody uses, on the device and the host cache; returns how
         many were dropped."""
         return self.pool.flush() + self.host.drop_where()
 
@@ -242,12 +242,12 @@ class KVManager:
 
     def check_invariants(self) -> None:
         """Refcounts equal block-table references; tables are consistent;
-        the host tier's charges and quotas hold, and it shares no key with
+        the host cache's charges and quotas hold, and it shares no key with
         the device."""
         check_invariants(self.registry)
         self.host.check_invariants()
-        assert not self.host.blocks.keys() & self.pool.index.keys(), "a block on both tiers"
+        assert not self.host.blocks.keys() & self.pool.index.keys(), "a block in both"
         events = self.pool.events
-        if events is not None:  # what subscribers were told is what the tiers hold
+        if events is not None:  # subscribers were told what the pool and host cache hold
             assert events.held(GPU) == self.pool.index.keys(), "events disagree with the pool"
             assert events.held(CPU) == self.host.blocks.keys(), "events disagree with the host"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvd.kv.events import GPU, KVEventLog
-from kvd.kv.hosttier import CacheKey, HostTier
+from kvd.kv.hostcache import CacheKey, HostCache
 from kvd.kv.ledger import SHARED_ACCOUNT, Ledger
 
 NULL_PAGE = 0
@@ -47,10 +47,10 @@ class PagePool:
         self.lru: OrderedDict[int, None] = OrderedDict()  # head = least recently used
         self.index: dict[CacheKey, int] = {}
         self.evictions = 0  # cached pages whose key was dropped; stales prefix hits
-        # Who a cached page's content is charged to on the host tier: the
+        # Who a cached page's content is charged to on the host cache: the
         # account that paid for it when it was registered.
         self.owner: list[str | None] = [None] * num_pages
-        self.host: HostTier | None = None  # where evicted cached pages go, if anywhere
+        self.host: HostCache | None = None  # where evicted cached pages go, if anywhere
         self.events: KVEventLog | None = None  # told what the cache holds, if anyone listens
 
     @property

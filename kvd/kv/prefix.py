@@ -11,7 +11,7 @@ from kvd.kv.events import KVEventLog
 from kvd.kv.records import KVError, PrefixHit
 from kvd.kv.registry import SequenceRegistry
 from kvd.kv.scope import Scope, chain_hashes, resolve_scope
-from kvd.kv.sequence import KVState, Sequence
+from kvd.kv.sequence import Residency, Sequence
 
 
 class PrefixCache:
@@ -47,25 +47,25 @@ class PrefixCache:
 
     def lookup(self, seq: Sequence, *, host: bool = True, use_cache: bool = True) -> PrefixHit:
         """The longest prefix of a waiting sequence whose KV is cached, on the
-        device or (``host``) on the host tier; none without ``use_cache`` (a
+        device or (``host``) on the host cache; none without ``use_cache`` (a
         sequence that must compute its whole prompt).
 
         Only full blocks count, and at least one token is left to compute (its
         logits are needed). Global groups need every block of the hit; sliding
         groups only the blocks the first uncomputed token can see. The hit is
         the longest length that satisfies every group (as vLLM intersects
-        full-attention and sliding-window hits). Blocks found only on the host
-        tier are listed in ``reloads``.
+        full-attention and sliding-window hits). Blocks found only in the host
+        cache are listed in ``reloads``.
         """
         self.registry.own(seq)
-        if seq.state is not KVState.WAITING:
-            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not waiting")
+        if seq.residency is not Residency.WAITING:
+            raise KVError(f"sequence {seq.seq_id} is {seq.residency.value}, not waiting")
         scope = self.ensure_scope(seq)
         max_blocks = (len(seq.tokens) - 1) // self.registry.block_size if use_cache else 0
         hashes = self.extend_hashes(seq, max_blocks)
         index = self.registry.pool.index
-        tier = self.registry.host.blocks if host and self.registry.host.blocks else None
-        cached = index if tier is None else _Either(index, tier)
+        on_host = self.registry.host.blocks if host and self.registry.host.blocks else None
+        cached = index if on_host is None else _Either(index, on_host)
         hit = 0
         for block in range(max_blocks):
             h = hashes[block]
@@ -167,7 +167,7 @@ class PrefixCache:
 
 
 class _Either:
-    """Membership in either of two mappings (the device index, the host tier)."""
+    """Membership in either of two mappings (the device index, the host cache)."""
 
     def __init__(self, first: Container[object], second: Container[object]) -> None:
         self.first, self.second = first, second

@@ -23,16 +23,16 @@ class PrefixHit(msgspec.Struct, frozen=True):
     num_tokens: int
     sliding_start: int
     pages: tuple[tuple[int, ...], ...]
-    epoch: int  # cache evictions (both tiers) and host reloads at lookup time
+    epoch: int  # cache evictions (the device and the host cache) and host reloads at lookup time
     generation: int  # sharing configuration at lookup time
     scope: Scope
-    # (group, block) of the hit held by the host tier, not the device: copied
+    # (group, block) of the hit held by the host cache, not the device: copied
     # back into fresh pages when the hit is allocated (``pages`` has 0 there).
     reloads: tuple[tuple[int, int], ...] = ()
 
     @property
     def reload_blocks(self) -> int:
-        """Blocks of the hit with at least one group on the host tier."""
+        """Blocks of the hit with at least one group on the host cache."""
         return len({block for _, block in self.reloads})
 
 
@@ -69,9 +69,9 @@ class KVStats(msgspec.Struct, frozen=True):
     cache_evictions: int
     policy: str
     mode: str
-    host_pages: int = 0  # the host budget (swap and the host tier), 0: no tier
+    host_pages: int = 0  # the host budget (swap and the host cache), 0: no host cache
     host_cached_pages: int = 0
     host_swap_pages: int = 0
-    host_hit_tokens: int = 0  # of prefix_hit_tokens, served from the host tier
+    host_hit_tokens: int = 0  # of prefix_hit_tokens, served from the host cache
     host_offloads: int = 0
     host_evictions: int = 0

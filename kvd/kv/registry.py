@@ -1,4 +1,4 @@
-"""The KV manager's shared record: the pool, the ledger, the host tier, the
+"""The KV manager's shared record: the pool, the ledger, the host cache, the
 sharing configuration, and the live sequences with their columns; adding
 sequences and their tokens.
 
@@ -25,7 +25,7 @@ from kvd.kv.columns import (
     SequenceColumns,
 )
 from kvd.kv.geometry import AttentionKind
-from kvd.kv.hosttier import HostTier
+from kvd.kv.hostcache import HostCache
 from kvd.kv.layout import PageLayout
 from kvd.kv.ledger import SHARED_ACCOUNT, BudgetMode, Ledger
 from kvd.kv.pool import PagePool
@@ -47,7 +47,7 @@ class SequenceRegistry:
         self.block_size = layout.block_size
         self.ledger = Ledger(num_pages - 1, mode)
         self.pool = PagePool(num_pages, self.ledger)
-        self.host = HostTier(0)  # off until ``enable_host_tier``
+        self.host = HostCache(0)  # off until ``enable_host_cache``
         self.host.add_account(SHARED_ACCOUNT)
         self.policy = SharingPolicy(policy)
         self.public = PublicPrefixes()
@@ -75,12 +75,12 @@ class SequenceRegistry:
         return next(self.stamps)
 
     def cache_epoch(self) -> int:
-        """Moves whenever a cached block leaves either tier or the host tier
+        """Moves whenever a cached block leaves the device or the host cache or the host cache
         hands one back: a prefix hit from an older epoch may name it."""
         return self.pool.evictions + self.host.evictions + self.host.reloaded
 
     def hit_is_current(self, hit: PrefixHit) -> bool:
-        """Nothing a prefix hit names has left either tier, and sharing is as it
+        """Nothing a prefix hit names has left the device or the host cache, and sharing is as it
         was, since the lookup that made it."""
         return hit.epoch == self.cache_epoch() and hit.generation == self.generation
 

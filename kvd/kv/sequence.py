@@ -20,7 +20,7 @@ from kvd.kv.columns import (
 from kvd.kv.scope import Scope
 
 
-class KVState(enum.Enum):
+class Residency(enum.Enum):
     WAITING = "waiting"  # no pages: never started, finished prefill-less, or preempted by release
     RESIDENT = "resident"  # holds pages on the device
     SWAPPING_OUT = "swapping-out"  # pages still held while the caller copies them to host
@@ -56,7 +56,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id",
-        "_state",
+        "_residency",
         "_columns",
         "slot",
         "tokens",
@@ -108,7 +108,7 @@ class Sequence:
         self.hashes: list[bytes] = []
         self.registered = 0  # blocks [0, registered) were offered to the prefix cache
         self.scope: Scope | None = None
-        self._state = KVState.WAITING
+        self._residency = Residency.WAITING
         self.swapped_blocks: list[list[int]] | None = None  # per group, blocks copied out
         # Per group, block -> page still held on the device while swapped out:
         # pages others share (or public ones) are not copied, and stay shared.
@@ -117,13 +117,13 @@ class Sequence:
         self.starts = 0  # times it was given pages from nothing (first start, re-admissions)
 
     @property
-    def state(self) -> KVState:
-        return self._state
+    def residency(self) -> Residency:
+        return self._residency
 
-    @state.setter
-    def state(self, value: KVState) -> None:
-        self._state = value
-        self._columns.set(RESIDENT, self.slot, value is KVState.RESIDENT)
+    @residency.setter
+    def residency(self, value: Residency) -> None:
+        self._residency = value
+        self._columns.set(RESIDENT, self.slot, value is Residency.RESIDENT)
 
     def extend_tokens(self, tokens: Iterable[int]) -> None:
         """Known tokens grow (the manager's ``append_tokens``)."""
@@ -142,7 +142,7 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.seq_id}, tenant={self.tenant!r}, tokens={len(self.tokens)}, "
-            f"computed={self.num_computed}, blocks={self.num_blocks}, {self.state.value})"
+            f"computed={self.num_computed}, blocks={self.num_blocks}, {self.residency.value})"
         )
 
     def held_pages(self) -> list[int]:

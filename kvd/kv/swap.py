@@ -8,7 +8,7 @@ from kvd.kv.pool import NULL_PAGE
 from kvd.kv.prefix import PrefixCache
 from kvd.kv.records import Demand, KVError, PageCopy
 from kvd.kv.registry import SequenceRegistry
-from kvd.kv.sequence import KVState, Sequence
+from kvd.kv.sequence import Residency, Sequence
 
 
 class Swapper:
@@ -47,9 +47,9 @@ class Swapper:
         and stay held through the swap, so they stay shared (and charged as
         they were)."""
         self.registry.own(seq)
-        if seq.state is not KVState.RESIDENT:
-            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not resident")
-        seq.state = KVState.SWAPPING_OUT
+        if seq.residency is not Residency.RESIDENT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.residency.value}, not resident")
+        seq.residency = Residency.SWAPPING_OUT
         return [
             PageCopy(g, block, page)
             for g, table in enumerate(seq.tables)
@@ -61,16 +61,16 @@ class Swapper:
         """The copies ``begin_swap_out`` listed failed: ``seq`` is resident
         again, its pages as they were (its caller drops them instead)."""
         self.registry.own(seq)
-        if seq.state is not KVState.SWAPPING_OUT:
-            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapping out")
-        seq.state = KVState.RESIDENT
+        if seq.residency is not Residency.SWAPPING_OUT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.residency.value}, not swapping out")
+        seq.residency = Residency.RESIDENT
 
     def finish_swap_out(self, seq: Sequence) -> None:
         """The copies ``begin_swap_out`` listed are on the host: free those
         pages, remember which blocks they were; the pages not copied stay held."""
         self.registry.own(seq)
-        if seq.state is not KVState.SWAPPING_OUT:
-            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapping out")
+        if seq.residency is not Residency.SWAPPING_OUT:
+            raise KVError(f"sequence {seq.seq_id} is {seq.residency.value}, not swapping out")
         # Decided before registering pending blocks, which can make a page public.
         copied = {
             (g, block)
@@ -97,12 +97,12 @@ class Swapper:
         seq.table_version = self.registry.stamp()
         seq.swapped_blocks = swapped
         seq.kept = kept
-        seq.state = KVState.SWAPPED
+        seq.residency = Residency.SWAPPED
 
     def swap_in_demand(self, seq: Sequence) -> Demand:
         self.registry.own(seq)
-        if seq.state is not KVState.SWAPPED or seq.swapped_blocks is None:
-            raise KVError(f"sequence {seq.seq_id} is {seq.state.value}, not swapped")
+        if seq.residency is not Residency.SWAPPED or seq.swapped_blocks is None:
+            raise KVError(f"sequence {seq.seq_id} is {seq.residency.value}, not swapped")
         pages = sum(len(blocks) for blocks in seq.swapped_blocks)
         return Demand(pages, 0, pages)
 
@@ -129,7 +129,7 @@ class Swapper:
         seq.table_version = self.registry.stamp()
         seq.swapped_blocks = None
         seq.kept = None
-        seq.state = KVState.RESIDENT
+        seq.residency = Residency.RESIDENT
         seq.num_allocated = seq.num_computed
         self.prefix.register_blocks(seq, 0, seq.num_computed // self.registry.block_size)
         return copies

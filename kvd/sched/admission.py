@@ -11,13 +11,13 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.manager import KVManager
 from kvd.sched.book import RequestBook
 from kvd.sched.constraint import Constraint
 from kvd.sched.executor import ExecutorLimits
 from kvd.sched.ratelimit import RateLimited
 from kvd.sched.requests import Rejection, Request
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.settings import SchedulerConfig
 
 

@@ -15,10 +15,10 @@ from collections import deque
 from collections.abc import Callable
 
 from kvd.kv.manager import KVManager
-from kvd.kv.sequence import KVState
+from kvd.kv.sequence import Residency
 from kvd.sched.fairshare import VirtualCounters
 from kvd.sched.ratelimit import TenantLimiter
-from kvd.sched.requests import Request, RequestState, RunningOrder
+from kvd.sched.requests import Request, RequestPhase, RunningOrder
 from kvd.sched.settings import TenantConfig
 from kvd.sched.stats import TenantStats
 from kvd.sched.swapspace import SwapSpace
@@ -90,15 +90,15 @@ class RequestBook:
             shared = request.shared_prompt
             used = 0 if request.started_at is None or seq is None else len(seq.tokens) - shared
             limiter.refund(request.stop_length - shared - used, self.clock())
-        if seq is not None and seq.state is not KVState.RELEASED:
+        if seq is not None and seq.residency is not Residency.RELEASED:
             self.kv.finish(seq)
-        if request.state is RequestState.RUNNING:
+        if request.phase is RequestPhase.RUNNING:
             self.remove_running(request)
         self.swapped.pop(request.request_id, None)
         queue = self.queues[request.tenant]
         if request in queue:
             queue.remove(request)
-        request.state = RequestState.FINISHED
+        request.phase = RequestPhase.FINISHED
         request.finish_reason = reason
         if request.host_pages is not None:
             self.swap_space.give(request.tenant, len(request.host_pages[0]))
@@ -106,5 +106,5 @@ class RequestBook:
         self.tenant_stats[request.tenant].finished += 1
         del self.requests[request.request_id]
         lead = request.lead or request
-        if lead.forks and all(r.state is RequestState.FINISHED for r in (lead, *lead.forks)):
+        if lead.forks and all(r.phase is RequestPhase.FINISHED for r in (lead, *lead.forks)):
             del self.choices[lead.reply_id]

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
+from kvd.sched.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvd.sched.executor import Executor
@@ -141,9 +141,9 @@ def measure_rates(executor: Executor, repeats: int = 3) -> Rates:
     def run(seq: Sequence, n: int) -> float:
         kv.allocate(seq, n)
         slots = kv.slots_of([seq])
-        block = kv.columns.matrix[:, slots]
+        before = kv.columns.matrix[:, slots]
         start = time.perf_counter()
-        executor.run([seq], [n], [greedy], slots, block)
+        executor.run([seq], [n], [greedy], slots, before)
         executor.barrier()
         spent = time.perf_counter() - start
         kv.commit(seq, n)

@@ -13,10 +13,10 @@ from typing import Any, NamedTuple, Protocol
 import msgspec
 import numpy as np
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.layout import PageLayout
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
+from kvd.sched.sampling_params import SamplingParams
 
 Array = np.ndarray[Any, Any]
 
@@ -94,11 +94,11 @@ class Executor(Protocol):
         counts: list[int],
         params: ParamsLookup,
         slots: Array,
-        block: Array,
+        before: Array,
         masks: Array | None = None,
     ) -> StepOutput:
         """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated;
-        ``slots``: their ``kv.slots_of``; ``block``: their columns before the
+        ``slots``: their ``kv.slots_of``; ``before``: their columns before the
         step) and return what each sampled. ``masks``, when a sequence has a
         grammar: a token bitmask row per sequence (kvd/sched/constraint.py;
         all ones for a free row), and sequence i samples only what row i

@@ -1,9 +1,9 @@
-"""The copies the host tier queues, done through the executor in order.
+"""The copies the host cache queues, done through the executor in order.
 
-The KV manager's host tier (``kvd/kv/hosttier.py``) keeps the bookkeeping of
+The KV manager's host cache (``kvd/kv/hostcache.py``) keeps the bookkeeping of
 which cached blocks live in host memory; this part moves their data: device
-pages out to host rows when the tier takes a block, host rows back into
-device pages when a prefix hit reloads one, and rows dropped when the tier
+pages out to host rows when the host cache takes a block, host rows back into
+device pages when a prefix hit reloads one, and rows dropped when the host cache
 lets a block go.
 """
 
@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from kvd.kv.hosttier import FREE, OUT
+from kvd.kv.hostcache import FREE, OUT
 from kvd.kv.manager import KVError, KVManager
 from kvd.sched.executor import Executor
 
 
 class HostCopies:
-    """Owns ``store``: host-tier block contents by host slot, as (the rows of
+    """Owns ``store``: host-cache block contents by host row, as (the rows of
     one copy, the index in them); None where that copy failed."""
 
     def __init__(self, kv: KVManager, executor: Executor, failures: deque[tuple[str, str]]) -> None:
@@ -31,10 +31,10 @@ class HostCopies:
         self.store: dict[int, tuple[Any, int] | None] = {}
 
     def sync(self) -> None:
-        """Do the copies the host tier queued, in the order it queued them:
+        """Do the copies the host cache queued, in the order it queued them:
         pages it took in are copied out before anything overwrites them (a
         step, a swap-in), blocks a hit brought back are copied in before a
-        step reads them, slots it let go of are dropped. Consecutive copies
+        step reads them, rows it let go of are dropped. Consecutive copies
         of one kind go as one executor call. Called before every engine step
         and device write."""
         copies = self.kv.host.take_copies()
@@ -47,25 +47,25 @@ class HostCopies:
             batch = list(run)
             if kind == FREE:
                 for copy in batch:
-                    store.pop(copy.slot, None)
+                    store.pop(copy.row, None)
             elif kind == OUT:
                 try:
                     rows = copy_out([copy.page for copy in batch])
                 except Exception as exc:  # noqa: BLE001  # recovered from: the blocks go
-                    lost = {copy.slot for copy in batch}
+                    lost = {copy.row for copy in batch}
                     self.kv.host.lose(lost)
-                    for slot in lost:
-                        store[slot] = None
+                    for row in lost:
+                        store[row] = None
                     self.failures.append(("offload", f"{type(exc).__name__}: {exc}"))
                     continue
                 for i, copy in enumerate(batch):
-                    store[copy.slot] = (rows, i)
+                    store[copy.row] = (rows, i)
             else:
-                entries = [store.pop(copy.slot) for copy in batch]
+                entries = [store.pop(copy.row) for copy in batch]
                 if any(entry is None for entry in entries):
                     # Claimed by a hit in the step its copy out failed: the
                     # device would read pages nobody wrote.
-                    raise KVError("a host-tier block a prefix hit claimed was never stored")
+                    raise KVError("a host-cache block a prefix hit claimed was never stored")
                 data = np.stack([_row(entry) for entry in entries if entry is not None])
                 self.executor.copy_in([copy.page for copy in batch], data)
 

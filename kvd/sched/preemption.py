@@ -20,7 +20,7 @@ from kvd.sched.executor import Executor
 from kvd.sched.hostcopies import HostCopies
 from kvd.sched.requests import (
     Request,
-    RequestState,
+    RequestPhase,
 )
 from kvd.sched.settings import SchedulerConfig
 from kvd.sched.stepplan import StepPlan
@@ -99,7 +99,7 @@ class Preemption:
             return fit
         evict = plan_eviction(kv, seq, demand, hit)
         if evict is None:
-            if request.state is RequestState.RUNNING:
+            if request.phase is RequestPhase.RUNNING:
                 self.preempt(request, plan)  # it cannot grow: it yields
             return 0
         for victim in evict.victims:
@@ -171,12 +171,12 @@ class Preemption:
             self.kv.finish_swap_out(seq)
             self.book.swap_space.take(request.tenant, len(copies))
             request.host_pages = ([(c.group, c.block) for c in copies], data)
-            request.state = RequestState.SWAPPED
+            request.phase = RequestPhase.SWAPPED
             self.book.swapped[request.request_id] = request
             stats.preempted_swap += 1
             return
         self.kv.release(seq)  # recompute: tokens kept, pages dropped
-        request.state = RequestState.WAITING
+        request.phase = RequestPhase.WAITING
         self.book.queues[request.tenant].appendleft(request)
         stats.preempted_recompute += 1
 
@@ -205,7 +205,7 @@ class Preemption:
         if self.rates is not None:
             plan.add_copy(self.rates.swap_s(len(blocks)) / 2)
         request.host_pages = None
-        request.state = RequestState.RUNNING
+        request.phase = RequestPhase.RUNNING
         del self.book.swapped[request.request_id]
         self.book.add_running(request)
         n = plan.room(seq.num_computed, len(seq.tokens) - seq.num_computed)

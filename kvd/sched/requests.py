@@ -10,9 +10,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.sequence import Sequence
 from kvd.sched.constraint import Constraint
+from kvd.sched.sampling_params import SamplingParams
 
 
 class Rejection(Exception):
@@ -25,7 +25,7 @@ class Rejection(Exception):
         self.retry_after = retry_after
 
 
-class RequestState(enum.Enum):
+class RequestPhase(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
@@ -38,7 +38,7 @@ class RequestState(enum.Enum):
 @dataclass(slots=True, eq=False, kw_only=True)  # eq=False: compared by identity
 class Request:
     seq: Sequence | None = None
-    state: RequestState = RequestState.WAITING
+    phase: RequestPhase = RequestPhase.WAITING
     request_id: str
     tenant: str
     stop_length: int  # prompt + max_tokens, or the context: the sequence ends at this length

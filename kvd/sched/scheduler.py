@@ -50,7 +50,7 @@ from kvd.sched.requests import (
     ParamsOf,
     Rejection,
     Request,
-    RequestState,
+    RequestPhase,
     SlotInfo,
     StepEvent,
     StepWork,
@@ -64,7 +64,7 @@ from kvd.sched.tokens import TokenRecorder
 __all__ = [
     "Rejection",
     "Request",
-    "RequestState",
+    "RequestPhase",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
@@ -83,7 +83,7 @@ class Scheduler:
     within the step's room. It owns the KV manager, binds the executor to
     it, and holds its parts: the request book (``book.py``: tenants, queues,
     live requests), admission (``admission.py``), growth and preemption
-    (``preemption.py``), the host tier's copies (``hostcopies.py``) and
+    (``preemption.py``), the host cache's copies (``hostcopies.py``) and
     token recording (``tokens.py``)."""
 
     def __init__(
@@ -105,7 +105,7 @@ class Scheduler:
         self.kv = kv
         executor.bind(kv)
         self.clock = clock
-        kv.enable_host_tier(config.host_pages)
+        kv.enable_host_cache(config.host_pages)
         self.swap_space = SwapSpace(config.swap_pages, kv.host)
         self.book = book = RequestBook(kv, self.swap_space, clock)
         self.host_copies = HostCopies(kv, executor, book.copy_failures)
@@ -132,7 +132,7 @@ class Scheduler:
         self.host_store = self.host_copies.store
         self.submit = self.admission.submit
         self.live_requests = book.live_requests
-        self.sync_host_tier = self.host_copies.sync
+        self.sync_host_cache = self.host_copies.sync
         self.stalled = False
         self.last_step_predicted_s: float | None = None
         self._seq_ids = itertools.count(1)
@@ -178,7 +178,7 @@ class Scheduler:
         book = self.book
         self.kv.set_tenant(tenant.name, TenantBudget(tenant.reservation_pages, tenant.cap_pages))
         self.kv.set_host_quota(tenant.name, tenant.host_quota_pages)
-        self.sync_host_tier()  # a lowered quota's blocks are gone now, data included
+        self.sync_host_cache()  # a lowered quota's blocks are gone now, data included
         book.counters.set_weight(tenant.name, tenant.weight)
         old = book.tenants.get(tenant.name)
         if old is None or old.limits != tenant.limits:
@@ -199,15 +199,16 @@ class Scheduler:
         if live:
             raise ValueError(f"tenant {name!r} has {live} live requests: drain them first")
         self.kv.remove_tenant(name)
-        self.sync_host_tier()
+        self.sync_host_cache()
         for table in (book.tenants, book.limiters, book.queues, book.tenant_stats):
             table.pop(name, None)
         book.counters.forget(name)
 
     def flush_cache(self) -> int:
-        """Forget every cached block nobody uses, on both tiers (host data too)."""
+        """Forget every cached block nobody uses, in the pool and the host
+        cache (host data too)."""
         flushed = self.kv.flush_cache()
-        self.sync_host_tier()
+        self.sync_host_cache()
         return flushed
 
     def cancel(self, request_id: str, choice: int | None = None) -> bool:
@@ -218,7 +219,7 @@ class Scheduler:
             return False
         group = [lead, *lead.forks]
         targets = group if choice is None else [r for r in group if r.choice == choice]
-        live = [r for r in targets if r.state is not RequestState.FINISHED]
+        live = [r for r in targets if r.phase is not RequestPhase.FINISHED]
         for request in live:
             self.book.finish(request, "cancelled")
         return bool(live)
@@ -256,26 +257,26 @@ class Scheduler:
             seqs = [request.seq for request in requests]  # type: ignore[misc]
             slots = self.kv.slots_of(seqs)
         kv = self.kv
-        block = kv.columns.matrix[:, slots]  # the step's counters, gathered once
+        before = kv.columns.matrix[:, slots]  # the step's counters, gathered once
         counts = work.counts
-        self.sync_host_tier()
-        masks = self._constraint_masks(requests, counts, block)
+        self.sync_host_cache()
+        masks = self._constraint_masks(requests, counts, before)
         try:
-            output = self.executor.run(seqs, counts, ParamsOf(requests), slots, block, masks)
+            output = self.executor.run(seqs, counts, ParamsOf(requests), slots, before, masks)
         except SequenceFault as fault:
             # Nothing ran: the others' pages stay allocated from their computed
             # tokens, so the next step plans them again as if this one never was.
             self._fail(requests[fault.index], fault.cause, events)
             return events
         if not plan.prefill_tokens:  # decodes alone (commit_decodes checks that they are)
-            kv.commit_decodes(seqs, slots, block)
+            kv.commit_decodes(seqs, slots, before)
         else:
             kv.commit_batch(seqs, counts, slots)
-        self.tokens.record(work, seqs, slots, block, output, events, masks is not None)
+        self.tokens.record(work, seqs, slots, before, output, events, masks is not None)
         return events
 
     def _constraint_masks(
-        self, requests: list[Request], counts: list[int], block: np.ndarray[Any, Any]
+        self, requests: list[Request], counts: list[int], before: np.ndarray[Any, Any]
     ) -> np.ndarray[Any, Any] | None:
         """The tokens each structured-output row may sample this step (a
         bitmask row per request; all ones for the others), or None when no
@@ -284,7 +285,7 @@ class Scheduler:
         constrained = [i for i, r in enumerate(requests) if r.constraint is not None]
         if not constrained:
             return None
-        sampling = block[COMPUTED] + np.asarray(counts) == block[LENGTH]
+        sampling = before[COMPUTED] + np.asarray(counts) == before[LENGTH]
         masks = np.full((len(requests), mask_words(self.limits.vocab_size)), -1, np.int32)
         for i in constrained:
             if sampling[i]:
@@ -300,7 +301,7 @@ class Scheduler:
         kv = self.kv
         seqs: list[Sequence] = [request.seq for request in order]  # type: ignore[misc]
         slots = kv.slots_of(seqs)
-        block = kv.columns.matrix[:, slots]
+        before = kv.columns.matrix[:, slots]
         if len(order) <= plan.max_seqs and len(order) <= plan.tokens_left:
             # Every running decode fits this step, so priority cannot decide who
             # waits: they are scheduled as one array operation (see
@@ -308,25 +309,25 @@ class Scheduler:
             # join them); decodes that need pages someone else may want follow
             # by priority, and may preempt by policy.
             self._decode_slots = (order, seqs, slots)  # step() reuses them
-            left = kv.extend_decodes(seqs, slots, block)
+            left = kv.extend_decodes(seqs, slots, before)
             if not left:
-                plan.add_decodes(order, int(block[COMPUTED].sum()))
+                plan.add_decodes(order, int(before[COMPUTED].sum()))
                 return []
-            decode = block[LENGTH] == block[COMPUTED] + 1
+            decode = before[LENGTH] == before[COMPUTED] + 1
             waiting = set(left)
             fast = [i for i in range(len(order)) if i not in waiting]
-            plan.add_decodes([order[i] for i in fast], int(block[COMPUTED][fast].sum()))
+            plan.add_decodes([order[i] for i in fast], int(before[COMPUTED][fast].sum()))
             slow = [order[i] for i in left if decode[i]]
             prefilling = [order[i] for i in left if not decode[i]]
         else:
-            decode = block[LENGTH] == block[COMPUTED] + 1
+            decode = before[LENGTH] == before[COMPUTED] + 1
             slow = [r for r, d in zip(order, decode.tolist(), strict=True) if d]
             prefilling = [r for r, d in zip(order, decode.tolist(), strict=True) if not d]
-        running = RequestState.RUNNING
+        running = RequestPhase.RUNNING
         for request in slow:
             if plan.full():
                 break
-            if request.state is not running:
+            if request.phase is not running:
                 continue  # preempted while making room for an earlier one
             seq = request.seq
             assert seq is not None
@@ -338,18 +339,18 @@ class Scheduler:
         """Prefill work by tenant: tier, then fair share, within the step's room."""
         # Per tenant: running prefills, then swapped-out sequences, each with the
         # state it was listed in (a victim of this step's evictions is skipped).
-        own: dict[str, list[tuple[Request, RequestState]]] = {}
+        own: dict[str, list[tuple[Request, RequestPhase]]] = {}
         for request in prefilling:
-            own.setdefault(request.tenant, []).append((request, RequestState.RUNNING))
+            own.setdefault(request.tenant, []).append((request, RequestPhase.RUNNING))
         for request in sorted(self.swapped.values(), key=lambda r: r.order_key):
-            own.setdefault(request.tenant, []).append((request, RequestState.SWAPPED))
+            own.setdefault(request.tenant, []).append((request, RequestPhase.SWAPPED))
         blocked: set[str] = set()
         while not plan.full():
             head = self._next_prefill(own, blocked)
             if head is None:
                 return
             request = head
-            if request.state is RequestState.WAITING:
+            if request.phase is RequestPhase.WAITING:
                 outcome_ = self._admit(request, plan, now)
                 if outcome_ is None:
                     return  # the step has no room left
@@ -357,9 +358,9 @@ class Scheduler:
                     blocked.add(request.tenant)
                 continue
             own[request.tenant].pop(0)
-            if request.state is RequestState.SWAPPED:
+            if request.phase is RequestPhase.SWAPPED:
                 self.preemption.swap_in(request, plan)
-            elif request.state is RequestState.RUNNING:
+            elif request.phase is RequestPhase.RUNNING:
                 seq = request.seq
                 assert seq is not None
                 n = plan.room(seq.num_computed, len(seq.tokens) - seq.num_computed)
@@ -370,7 +371,7 @@ class Scheduler:
                     plan.add(request, granted, seq.num_computed)
 
     def _next_prefill(
-        self, own: dict[str, list[tuple[Request, RequestState]]], blocked: set[str]
+        self, own: dict[str, list[tuple[Request, RequestPhase]]], blocked: set[str]
     ) -> Request | None:
         """The head of the tenant to serve next: the most important tier first,
         then the smallest virtual counter (free mode: the oldest). ``blocked``
@@ -381,7 +382,7 @@ class Scheduler:
         counters = self.counters
         for tenant in own.keys() | self.queues.keys():
             mine = own.get(tenant)
-            while mine and mine[0][0].state is not mine[0][1]:
+            while mine and mine[0][0].phase is not mine[0][1]:
                 mine.pop(0)  # preempted (or finished) since it was listed
             head = mine[0][0] if mine else None
             queue = self.queues.get(tenant) if tenant not in blocked else None
@@ -400,7 +401,7 @@ class Scheduler:
         runs in this step, False if it must wait, None if the step has no room."""
         kv = self.kv
         lead = request.lead
-        if lead is not None and lead.state is not RequestState.FINISHED:
+        if lead is not None and lead.phase is not RequestPhase.FINISHED:
             computed = lead.seq.num_computed if lead.seq is not None else 0
             if computed < lead.prompt_len:
                 return False  # a fork starts from its lead's computed prompt
@@ -434,7 +435,7 @@ class Scheduler:
             queue.popleft()
         else:  # its own victims went back to the head of the queue, before it
             queue.remove(request)
-        request.state = RequestState.RUNNING
+        request.phase = RequestPhase.RUNNING
         self.book.add_running(request)
         if request.started_at is None:
             request.started_at = now
@@ -459,7 +460,7 @@ class Scheduler:
         return True
 
     def _reload_pays(self, hit: PrefixHit, seq: Sequence) -> bool:
-        """Copying the hit's host-tier blocks back beats recomputing them
+        """Copying the hit's host-cache blocks back beats recomputing them
         (the cost model's copy and prefill rates; without rates, copy)."""
         rates = self.rates
         if rates is None:

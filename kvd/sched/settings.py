@@ -18,7 +18,7 @@ class TenantConfig(msgspec.Struct, frozen=True):
     limits: RateLimits = RateLimits()
     max_queue: int = 64
     swap_pages: int | None = None  # host pages its swapped-out sequences may hold
-    host_quota_pages: int | None = None  # host-tier pages its cached blocks may hold; None: all
+    host_quota_pages: int | None = None  # host-cache pages its cached blocks may hold; None: all
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):
@@ -30,6 +30,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # work: prefill chunks shrink to fit after the decodes. None: tokens only.
     target_step_ms: float | None = None
     swap_pages: int | None = None  # host pages swapped-out sequences may hold, all tenants
-    # The host tier of the prefix cache: one host budget (in pages) that it
+    # The host cache of the prefix cache: one host budget (in pages) that it
     # and swapped-out sequences share (swap_pages is then not used); 0: off.
     host_pages: int = 0

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from kvd import faults
-from kvd.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from kvd.kv.columns import COMPUTED
 from kvd.kv.layout import PageLayout
 from kvd.kv.manager import KVManager
@@ -38,6 +37,7 @@ from kvd.sched.executor import (
     SequenceFault,
     StepOutput,
 )
+from kvd.sched.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 Array = np.ndarray[Any, Any]
 UNWRITTEN = -1
@@ -147,7 +147,7 @@ class SimulatedExecutor:
         counts: list[int],
         params: ParamsLookup,
         slots: Array,
-        block: Array,
+        before: Array,
         masks: Array | None = None,
     ) -> StepOutput:
         started = time.perf_counter()
@@ -157,7 +157,7 @@ class SimulatedExecutor:
         if sum(counts) > self.limits.max_num_batched_tokens:
             raise ValueError(f"{sum(counts)} tokens exceed max_num_batched_tokens")
         self.steps += 1
-        computed = block[COMPUTED].tolist()
+        computed = before[COMPUTED].tolist()
         sampled = np.zeros(len(seqs), np.int64)
         stopped = np.zeros(len(seqs), np.bool_)
         wanted: list[SamplingParams | None] = []

@@ -14,7 +14,7 @@ class TenantStats(msgspec.Struct):
     pages_cap: int | None = None
     surplus_pages: int = 0
     host_swap_pages: int = 0  # host pages its swapped-out sequences hold
-    host_cached_pages: int = 0  # host-tier pages its cached blocks hold
+    host_cached_pages: int = 0  # host-cache pages its cached blocks hold
     service: float = 0.0
     preempted_recompute: int = 0
     preempted_swap: int = 0
@@ -41,9 +41,9 @@ class SchedulerStats(msgspec.Struct):
     prefill_tokens_per_s: float | None
     copy_bytes_per_s: float | None
     crossover_tokens: int | None
-    host_pages: int = 0  # the host budget, swap and the prefix cache's host tier (0: no tier)
+    host_pages: int = 0  # the host budget: swap and the host cache (0: no host cache)
     host_cached_pages: int = 0
     host_swap_pages: int = 0
-    host_hit_tokens: int = 0  # of prefix_hit_tokens, copied back from the host tier
+    host_hit_tokens: int = 0  # of prefix_hit_tokens, copied back from the host cache
     host_offloads: int = 0
     host_evictions: int = 0

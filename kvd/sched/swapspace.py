@@ -1,28 +1,28 @@
 """The host memory swapped-out sequences hold: bounded in all, and per tenant.
 
-With a host tier (``KVManager.enable_host_tier``) the bound is the tier's
+With a host cache (``KVManager.enable_host_cache``) the bound is the host cache's
 one host budget: swap comes first, and taking pages drops cached host blocks
 (least recently used first) to make room. Without one it is its own budget.
 """
 
 from __future__ import annotations
 
-from kvd.kv.hosttier import HostTier
+from kvd.kv.hostcache import HostCache
 
 
 class SwapSpace:
     """Host pages held by swapped-out sequences, per tenant."""
 
-    def __init__(self, total: int | None = None, tier: HostTier | None = None) -> None:
-        self.own_total = total  # None: unbounded (used only without a tier)
-        self.tier = tier
+    def __init__(self, total: int | None = None, host_cache: HostCache | None = None) -> None:
+        self.own_total = total  # None: unbounded (used only without a host cache)
+        self.host_cache = host_cache
         self.used: dict[str, int] = {}
         self.held = 0
 
     @property
     def total(self) -> int | None:
-        if self.tier is not None and self.tier.enabled:
-            return self.tier.total
+        if self.host_cache is not None and self.host_cache.enabled:
+            return self.host_cache.total
         return self.own_total
 
     def fits(self, tenant: str, pages: int, tenant_limit: int | None) -> bool:
@@ -32,8 +32,8 @@ class SwapSpace:
         return tenant_limit is None or self.used.get(tenant, 0) + pages <= tenant_limit
 
     def take(self, tenant: str, pages: int) -> None:
-        if self.tier is not None and self.tier.enabled:
-            self.tier.make_room(pages)  # cached blocks give way to live state
+        if self.host_cache is not None and self.host_cache.enabled:
+            self.host_cache.make_room(pages)  # cached blocks give way to live state
         self.used[tenant] = self.used.get(tenant, 0) + pages
         self.held += pages
         self._publish()
@@ -50,5 +50,5 @@ class SwapSpace:
         self._publish()
 
     def _publish(self) -> None:
-        if self.tier is not None:
-            self.tier.swap_held = self.held
+        if self.host_cache is not None:
+            self.host_cache.swap_held = self.held

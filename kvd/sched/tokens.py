@@ -15,7 +15,7 @@ from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Sequence
 from kvd.sched.book import RequestBook
 from kvd.sched.executor import PromptScores, StepOutput
-from kvd.sched.requests import Request, RequestState, SlotInfo, StepEvent, StepWork
+from kvd.sched.requests import Request, RequestPhase, SlotInfo, StepEvent, StepWork
 
 Array = np.ndarray[Any, Any]
 
@@ -48,7 +48,7 @@ class Outcome:
 def outcome(
     counts: list[int],
     slots: Array,
-    block: Array,
+    before: Array,
     tokens: Array,
     logprobs: Array,
     stopped: Array,
@@ -56,11 +56,11 @@ def outcome(
     stop_length: Array,
     ignore_eos: Array,
 ) -> Outcome:
-    """``block``: the step's sequences' columns before it; ``is_stop`` by token
+    """``before``: the step's sequences' columns before it; ``is_stop`` by token
     id (the model's end tokens); by slot, ``stop_length`` (the length at which
     a sequence ends) and ``ignore_eos`` (end tokens do not end it)."""
-    length = block[LENGTH]
-    sampled = block[COMPUTED] + np.asarray(counts) == length  # not a prefill chunk
+    length = before[LENGTH]
+    sampled = before[COMPUTED] + np.asarray(counts) == length  # not a prefill chunk
     keep = None
     if not sampled.all():
         keep = np.flatnonzero(sampled)
@@ -95,20 +95,20 @@ class TokenRecorder:
         work: StepWork,
         seqs: list[Sequence],
         slots: np.ndarray[Any, Any],
-        block: np.ndarray[Any, Any],
+        before: np.ndarray[Any, Any],
         output: StepOutput,
         events: list[StepEvent],
         constrained: bool = False,
     ) -> None:
         """Turn one step's sampled tokens into events, as array operations over
-        the batch (this runs for every running sequence every step). ``block``
+        the batch (this runs for every running sequence every step). ``before``
         holds the sequences' columns from before the step; ``constrained``:
         some request of the step has a grammar to follow."""
         info = self.slot_info
         out = outcome(
             work.counts,
             slots,
-            block,
+            before,
             output.tokens,
             output.logprobs,
             output.stopped,
@@ -216,7 +216,7 @@ class TokenRecorder:
         for request in list(self.scoring):
             i = at.get(request)
             if i is None:
-                if request.state is RequestState.FINISHED:
+                if request.phase is RequestPhase.FINISHED:
                     self.scoring.discard(request)
                 continue
             scores = request.prompt_scores

@@ -1,7 +1,7 @@
 """The operators' admin API, served on a Unix socket only (kvctl's peer).
 
-Every change is validated against the live state and applied on the engine
-task between two steps (``Runtime.call``), so a step never sees half a
+Every change is validated against the live state and applied on the step
+loop between two steps (``Runtime.call``), so a step never sees half a
 change; then it is written to the state file and to the audit log. If the
 state file cannot be written, the change is undone and reported: a change
 that is in force is always a change that survives a restart.
@@ -29,7 +29,7 @@ from kvd.kv.scope import SharingPolicy
 from kvd.server.config import Config, ConfigError, TenantEntry, validate
 from kvd.server.runtime import EngineFailed
 from kvd.server.scheduling import tenant_config
-from kvd.server.serving import ServerState, TenantAccess
+from kvd.server.serving import ServerContext, TenantAccess
 from kvd.server.state import AUDIT_KEPT, AuditEntry, LiveState, PrefixTokens, StateStore
 from kvd.server.status import Status, StatusError
 
@@ -80,12 +80,12 @@ class Admin:
     def __init__(
         self,
         config: Config,
-        server: ServerState,
+        context: ServerContext,
         store: StateStore,
         describe_device: Callable[[], str],
     ) -> None:
         self.config = config
-        self.server = server
+        self.context = context
         self._live: LiveState | None = None  # set once the model is loaded
         self.store = store
         self._describe_device = describe_device
@@ -117,15 +117,15 @@ class Admin:
 
     @property
     def runtime(self) -> Any:
-        runtime = self.server.runtime
+        runtime = self.context.runtime
         if runtime is None or runtime.failure is not None:
             raise self.not_ready()
         return runtime
 
     def not_ready(self) -> AdminError:
         """Why the daemon cannot take admin commands now, for kvctl to say."""
-        server = self.server.status
-        failure = self.server.runtime.failure if self.server.runtime is not None else None
+        server = self.context.status
+        failure = self.context.runtime.failure if self.context.runtime is not None else None
         if failure is not None or server.status is Status.FAILED:
             message = (
                 f"the engine failed ({failure or server.detail}); the daemon is exiting "
@@ -162,11 +162,11 @@ class Admin:
             "uptime_s": round(time.monotonic() - self.started, 1),
             "device": self.device,
             "model": {
-                "name": self.server.model_name,
+                "name": self.context.model_name,
                 "source": self.config.model.source,
                 "dtype": self.config.model.dtype,
-                "quantization": self.server.quantization,
-                "weight_bytes": self.server.weight_bytes,
+                "quantization": self.context.quantization,
+                "weight_bytes": self.context.weight_bytes,
                 "kv_dtype": kv.layout.geometry.dtype,
                 "max_model_len": self.config.model.max_model_len,
             },
@@ -182,7 +182,7 @@ class Admin:
             "engine_failures": self.failures,
             "budget_mode": str(kv.ledger.mode),
             "sharing_policy": str(kv.policy),
-            "draining": self.server.status.status is Status.DRAINING,
+            "draining": self.context.status.status is Status.DRAINING,
             "in_flight": runtime.in_flight,
             "requests": {
                 "running": stats.running,
@@ -216,7 +216,7 @@ class Admin:
         }
 
     def _tenants(self, stats: Any) -> list[dict[str, Any]]:
-        scheduler = self.server.runtime.scheduler  # type: ignore[union-attr]
+        scheduler = self.context.runtime.scheduler  # type: ignore[union-attr]
         out = []
         for entry in self.live.tenants:
             config = scheduler.tenants[entry.name]
@@ -255,7 +255,7 @@ class Admin:
         return out
 
     def _prefixes(self) -> list[dict[str, Any]]:
-        hits = self.server.runtime.scheduler.prefix_hits  # type: ignore[union-attr]
+        hits = self.context.runtime.scheduler.prefix_hits  # type: ignore[union-attr]
         out = []
         for prefix in self.live.prefixes:
             requests, served, tokens = hits.get(prefix.name, [0, 0, 0])
@@ -286,7 +286,7 @@ class Admin:
         nothing changed) and returns the function that undoes it; what must
         not be seen before the change is durable (a new tenant's key) goes in
         ``publish``, run after the write. Only the apply and a snapshot of the
-        state run on the engine task; the file is written (and fsynced) in a
+        state run on the step loop; the file is written (and fsynced) in a
         worker thread, so neither HTTP nor the engine waits for the disk.
         Changes are serialised, so the file always ends with the last one; a
         write that fails undoes its own change before the next starts. The
@@ -386,7 +386,7 @@ class Admin:
             return undo
 
         def publish() -> None:
-            self.server.keys[entry.api_key_sha256] = _access(self.config, entry)
+            self.context.keys[entry.api_key_sha256] = _access(self.config, entry)
 
         return await self.change("tenant.add", _redacted(entry), apply, publish)
 
@@ -406,7 +406,7 @@ class Admin:
             scheduler.set_tenant(self._tenant_config(new))
             old_tenants = self.live.tenants
             self.live.tenants = tenants
-            keys = self.server.keys
+            keys = self.context.keys
             keys.pop(old.api_key_sha256, None)
             keys[new.api_key_sha256] = _access(self.config, new)
 
@@ -437,11 +437,11 @@ class Admin:
             scheduler.flush_cache()
             old_tenants = self.live.tenants
             self.live.tenants = [t for t in old_tenants if t.name != name]
-            self.server.keys.pop(old.api_key_sha256, None)
+            self.context.keys.pop(old.api_key_sha256, None)
 
             def undo() -> None:
                 self.live.tenants = old_tenants
-                self.server.keys[old.api_key_sha256] = _access(self.config, old)
+                self.context.keys[old.api_key_sha256] = _access(self.config, old)
                 scheduler.set_tenant(self._tenant_config(old))
 
             return undo
@@ -483,7 +483,7 @@ class Admin:
             raise AdminError(400, "give exactly one of text, tokens, chat_system")
         if not body.name or len(body.name) > 128:
             raise AdminError(400, "a prefix name is 1 to 128 characters")
-        tokenizer = self.server.tokenizer
+        tokenizer = self.context.tokenizer
         if body.text is not None:
             assert tokenizer is not None
             tokens = tokenizer.encode(body.text)
@@ -492,7 +492,7 @@ class Admin:
             tokens = tokenizer.chat_system_prefix(body.chat_system)
         else:
             tokens = list(body.tokens or [])
-        vocab = self.server.vocab_size
+        vocab = self.context.vocab_size
         if any(not 0 <= t < vocab for t in tokens):
             raise AdminError(400, f"token ids must be in 0..{vocab - 1}")
         prefix = PrefixTokens(body.name, tokens)
@@ -544,7 +544,7 @@ class Admin:
     async def drain(self) -> dict[str, Any]:
         self.runtime  # noqa: B018  # refused once the engine has failed
         try:
-            self.server.status.drain()
+            self.context.status.drain()
         except StatusError as exc:
             raise AdminError(409, str(exc)) from None
         log.info("admin.audit", op="drain", in_flight=self.runtime.in_flight)
@@ -554,7 +554,7 @@ class Admin:
     async def undrain(self) -> dict[str, Any]:
         self.runtime  # noqa: B018  # refused once the engine has failed
         try:
-            self.server.status.undrain()
+            self.context.status.undrain()
         except StatusError as exc:
             raise AdminError(409, str(exc)) from None
         log.info("admin.audit", op="undrain")
@@ -687,7 +687,7 @@ def create_admin_app(admin: Admin) -> QuartTrio:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(
-            admin.server.metrics.render(), 200, content_type="text/plain; version=0.0.4"
+            admin.context.metrics.render(), 200, content_type="text/plain; version=0.0.4"
         )
 
     @app.get("/v1/audit")

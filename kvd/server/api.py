@@ -18,7 +18,9 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from kvd.engine.sampling_params import (
+from kvd.engine.tokenizer import ChatMessage, Tokenizer, TokenizerError
+from kvd.sched.admission import prompt_problem
+from kvd.sched.sampling_params import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
@@ -29,8 +31,6 @@ from kvd.engine.sampling_params import (
     MIN_TEMPERATURE,
     SamplingParams,
 )
-from kvd.engine.tokenizer import ChatMessage, Tokenizer, TokenizerError
-from kvd.sched.admission import prompt_problem
 from kvd.server.config import DEFAULT_MAX_N
 from kvd.server.grammar import Grammar
 

@@ -77,7 +77,7 @@ class PoolSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     size: str = "auto"  # "auto" or a byte size
     auto_fraction: float = 0.5  # of the memory left after the weights, for "auto"
     block_size: int = 16
-    # The prefix cache's host tier: evicted cached blocks kept in host memory.
+    # The host cache: evicted cached blocks kept in host memory.
     # Set, it is the ONE host budget swapped-out sequences share with it
     # (scheduler.swap_space is then not used); "0": off.
     host_size: str = "0"
@@ -133,7 +133,7 @@ class TenantEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tokens_per_minute: float | None = None
     max_queue: int = 64
     swap: str | None = None  # host swap it may hold: bytes or a share of swap_space; None: all
-    # Host-tier pages its cached blocks may hold: bytes or a share of pool.host_size; None: all.
+    # Host-cache pages its cached blocks may hold: bytes or a share of pool.host_size; None: all.
     host_quota: str | None = None
 
 

@@ -5,7 +5,7 @@ Lifecycle:
 1. Bind the listener at once (``/health`` answers, ``/ready`` says loading).
 2. In a worker thread: load the weights, size the pool, compile every shape
    bucket (progress logged), measure the recompute and swap rates, apply
-   tenants and public prefixes. Then the engine task starts and ``/ready``
+   tenants and public prefixes. Then the step loop starts and ``/ready``
    turns 200.
 3. SIGTERM/SIGINT: drain. New requests get 503; in-flight ones have
    ``drain_timeout`` seconds to finish; what is left is aborted (its pages
@@ -56,7 +56,7 @@ from kvd.server.kvevents import KVEventPublisher
 from kvd.server.metrics import Metrics
 from kvd.server.runtime import Runtime
 from kvd.server.scheduling import Loaded
-from kvd.server.serving import ServerState, TenantAccess
+from kvd.server.serving import ServerContext, TenantAccess
 from kvd.server.state import LiveState, StateError, StateStore, overridden
 from kvd.server.status import ServerStatus
 
@@ -147,7 +147,7 @@ def load_engine(
 
 
 class Daemon:
-    """The process: listeners, the load, the engine task, signals, drain.
+    """The process: listeners, the load, the step loop, signals, drain.
 
     ``loader`` builds what serving starts from (the engine by default; the
     in-process tests pass a simulated one), ``describe_device`` names the
@@ -173,7 +173,7 @@ class Daemon:
         self.clock = clock
         self.runtime: Runtime | None = None
         self.status = ServerStatus()
-        self.state = ServerState(
+        self.context = ServerContext(
             runtime=None,
             tokenizer=None,
             model_name=config.served_model,
@@ -192,8 +192,8 @@ class Daemon:
         )
         self.store = StateStore(config.path(config.server.state_file))
         self.admin_socket = config.path(config.server.admin_socket)
-        self.admin = Admin(config, self.state, self.store, describe_device or _jax_device)
-        self.http_app = create_app(self.state, max_body=body_limit(config))
+        self.admin = Admin(config, self.context, self.store, describe_device or _jax_device)
+        self.http_app = create_app(self.context, max_body=body_limit(config))
         self._stop = trio.Event()  # first signal: drain, then stop
         self._http_stopped = trio.Event()  # hypercorn's shutdown trigger
         self._load_scope = trio.CancelScope()
@@ -228,7 +228,7 @@ class Daemon:
         failures = self.store.load_failures()
         if failures is not None:
             self.admin.failures = msgspec.to_builtins(failures)
-            self.state.metrics.engine_failures.inc(failures.count)
+            self.context.metrics.engine_failures.inc(failures.count)
             log.warning(
                 "lifecycle.previous_failures",
                 count=failures.count,
@@ -265,7 +265,7 @@ class Daemon:
         if not section.enable:
             return
         self.kv_events = KVEventPublisher(section)
-        self.state.metrics.kv_events = self.kv_events
+        self.context.metrics.kv_events = self.kv_events
         log.info(
             "lifecycle.kv_events",
             endpoint=self.kv_events.endpoint,
@@ -278,7 +278,7 @@ class Daemon:
             self.kv_events.close()
 
     async def _serve_until_stopped(self, saved: Any) -> None:
-        async with trio.open_nursery() as nursery:  # signals, watchdog, the engine task
+        async with trio.open_nursery() as nursery:  # signals, watchdog, the step loop
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(systemd.watchdog, self._alive)
             async with trio.open_nursery() as http:
@@ -325,7 +325,7 @@ class Daemon:
         mconfig.bind = [self.config.server.metrics_listen]
         mconfig.accesslog = None
         mconfig.graceful_timeout = 1.0
-        metrics_app = create_metrics_app(self.state.metrics)
+        metrics_app = create_metrics_app(self.context.metrics)
 
         async def serve_metrics(task_status: trio.TaskStatus[list[str]]) -> None:
             await hypercorn_serve(
@@ -427,7 +427,7 @@ class Daemon:
         )
 
     def go_live(self, nursery: trio.Nursery, loaded: Loaded) -> None:
-        """Serve ``loaded``: the engine task starts in ``nursery`` and the
+        """Serve ``loaded``: the step loop starts in ``nursery`` and the
         daemon turns ready (unless a stop came first)."""
         runtime = Runtime(
             loaded.scheduler,
@@ -438,22 +438,22 @@ class Daemon:
             clock=self.clock,
         )
         self.runtime = runtime
-        state = self.state
-        runtime.latency_sink = state.metrics.observe_latencies
-        state.runtime = runtime
+        context = self.context
+        runtime.latency_sink = context.metrics.observe_latencies
+        context.runtime = runtime
         self.admin.live = loaded.live
         # The keys of the tenants in force (the state file's, after a restart).
-        state.keys.clear()
-        state.keys.update(
+        context.keys.clear()
+        context.keys.update(
             {
                 t.api_key_sha256: TenantAccess(t.name, t.tier or self.config.tiers[0])
                 for t in loaded.live.tenants
             }
         )
-        state.tokenizer = loaded.tokenizer
-        state.vocab_size = loaded.vocab_size
-        state.weight_bytes = loaded.weight_bytes
-        state.quantization = loaded.quantization
+        context.tokenizer = loaded.tokenizer
+        context.vocab_size = loaded.vocab_size
+        context.weight_bytes = loaded.weight_bytes
+        context.quantization = loaded.quantization
         if self.kv_events is not None:
             kv = loaded.scheduler.kv
             kv.flush_cache()  # subscribers start from an empty cache (and are told so)
@@ -484,7 +484,7 @@ class Daemon:
         requests in flight have already been answered by the runtime)."""
         self.failure = cause
         self.status.fail(cause)
-        self.state.metrics.engine_failures.inc()
+        self.context.metrics.engine_failures.inc()
         self._arm_exit_deadline(FAILED_EXIT_DEADLINE_S, EXIT_FAILED, "the engine failed")
         systemd.notify("STOPPING=1", f"STATUS=failed: {cause}"[:512])
         log.error(
@@ -510,8 +510,8 @@ class Daemon:
         await trio.sleep(ANSWER_WINDOW_S)
 
     def _alive(self, timeout: float) -> bool:
-        """For the systemd watchdog: loading (a worker thread), or the engine
-        task has come round its loop within ``timeout`` seconds."""
+        """For the systemd watchdog: loading (a worker thread), or the step
+        loop has come round within ``timeout`` seconds."""
         runtime = self.runtime
         return runtime is None or time.monotonic() - runtime.heartbeat < timeout
 

@@ -2,7 +2,7 @@
 streaming or not, plus health, readiness and Prometheus metrics.
 
 A handler authenticates the bearer key, validates the body, submits to the
-engine task and relays tokens as text (kvd/server/responses.py). Each
+step loop and relays tokens as text (kvd/server/responses.py). Each
 request's relay belongs to its HTTP exchange: whatever ends the exchange
 (the body sent, an error, a client hanging up before or while its body is
 sent) closes the relay, which cancels the request, so no request outlives
@@ -33,7 +33,7 @@ from kvd.server.grammar import GrammarError, compiler_for
 from kvd.server.metrics import CONTENT_TYPE, Metrics
 from kvd.server.responses import Relay, engine_failed
 from kvd.server.runtime import Runtime
-from kvd.server.serving import ServerState, TenantAccess
+from kvd.server.serving import ServerContext, TenantAccess
 from kvd.server.status import Status
 
 log = structlog.get_logger("kvd")
@@ -95,13 +95,13 @@ def create_metrics_app(metrics: Metrics) -> QuartTrio:
     return app
 
 
-def create_app(state: ServerState, *, max_body: int) -> QuartTrio:
+def create_app(context: ServerContext, *, max_body: int) -> QuartTrio:
     app = KvdApp("kvd")
     app.config["MAX_CONTENT_LENGTH"] = max_body
     # A long non-streamed completion on a slow device outlives Quart's default
     # 60 s response timeout, which would cut it silently.
     app.config["RESPONSE_TIMEOUT"] = None
-    metrics = state.metrics
+    metrics = context.metrics
 
     @app.after_request
     async def count(response: Response) -> Response:
@@ -136,57 +136,57 @@ def create_app(state: ServerState, *, max_body: int) -> QuartTrio:
 
     @app.get("/ready")
     async def ready() -> Response:
-        status = state.status
+        status = context.status
         if not status.serving:
             return _json({"status": str(status), "reason": status.detail}, 503)
         return _json({"status": str(status)})
 
     @app.get("/v1/models")
     async def models() -> Response:
-        _authenticate(state)
-        return _json({"object": "list", "data": [_model_card(state)]})
+        _authenticate(context)
+        return _json({"object": "list", "data": [_model_card(context)]})
 
     @app.get("/v1/models/<path:name>")
     async def model(name: str) -> Response:
-        _authenticate(state)
-        if name != state.model_name:
+        _authenticate(context)
+        if name != context.model_name:
             raise ApiError(404, f"the model {name!r} does not exist", code="model_not_found")
-        return _json(_model_card(state))
+        return _json(_model_card(context))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await _infer(state, CompletionRequest)
+        return await _infer(context, CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await _infer(state, ChatRequest)
+        return await _infer(context, ChatRequest)
 
     return app
 
 
-def _check_serving(state: ServerState) -> Runtime:
+def _check_serving(context: ServerContext) -> Runtime:
     """The runtime, if the daemon takes requests now; else the 503 saying why."""
-    status = state.status
+    status = context.status
     if status.status is Status.FAILED:
         raise engine_failed(status.detail)
     if status.status is Status.DRAINING:
         raise ApiError(503, "the server is shutting down", code="draining", retry_after=5)
-    if state.runtime is None or not status.serving:
+    if context.runtime is None or not status.serving:
         raise ApiError(503, "the model is still loading", code="loading", retry_after=5)
-    return state.runtime
+    return context.runtime
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
+def _model_card(context: ServerContext) -> dict[str, Any]:
     return {
-        "id": state.model_name,
+        "id": context.model_name,
         "object": "model",
-        "created": state.created,
+        "created": context.created,
         "owned_by": "kvd",
-        "max_model_len": state.max_model_len,
+        "max_model_len": context.max_model_len,
     }
 
 
-def _authenticate(state: ServerState) -> TenantAccess:
+def _authenticate(context: ServerContext) -> TenantAccess:
     header = request.headers.get("Authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
@@ -195,14 +195,14 @@ def _authenticate(state: ServerState) -> TenantAccess:
             "missing API key: send it as 'Authorization: Bearer KEY'",
             code="missing_api_key",
         )
-    access = state.keys.get(key_digest(key.strip()))
+    access = context.keys.get(key_digest(key.strip()))
     if access is None:
         raise ApiError(401, "the API key is not valid", code="invalid_api_key")
     return access
 
 
-def _resolve_tier(state: ServerState, access: TenantAccess, priority: int | str | None) -> str:
-    tiers = state.tiers
+def _resolve_tier(context: ServerContext, access: TenantAccess, priority: int | str | None) -> str:
+    tiers = context.tiers
     if priority is None:
         return access.tier
     if isinstance(priority, int):
@@ -227,30 +227,32 @@ def _resolve_tier(state: ServerState, access: TenantAccess, priority: int | str 
     return tier
 
 
-async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRequest]) -> Response:
+async def _infer(
+    context: ServerContext, kind: type[CompletionRequest] | type[ChatRequest]
+) -> Response:
     arrival = time.monotonic()
     client_id = request.headers.get("X-Request-Id", "")
     request_id = uuid.uuid4().hex
     reply_id = client_id if _CLIENT_ID.fullmatch(client_id) else request_id
     try:
-        access = _authenticate(state)
-        _check_serving(state)
+        access = _authenticate(context)
+        _check_serving(context)
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         decoded = decode_body(body, kind)
-        if decoded.model != state.model_name:
+        if decoded.model != context.model_name:
             raise ApiError(
                 404,
                 f"the model {decoded.model!r} does not exist (this server has "
-                f"{state.model_name!r})",
+                f"{context.model_name!r})",
                 param="model",
                 code="model_not_found",
             )
-        prepared = await _prepare(state, decoded, len(body), request_id, access.name)
-        tier = _resolve_tier(state, access, decoded.priority)
+        prepared = await _prepare(context, decoded, len(body), request_id, access.name)
+        tier = _resolve_tier(context, access, decoded.priority)
         # Again: a drain may have begun while the body was read and tokenized
         # (from here to the request's being in flight nothing waits).
-        runtime = _check_serving(state)
+        runtime = _check_serving(context)
         try:
             ticket = await runtime.submit(
                 access.name,
@@ -258,7 +260,7 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
                 prepared.params,
                 tier=tier,
                 cache_salt=prepared.cache_salt,
-                deadline_s=state.queue_timeout,
+                deadline_s=context.queue_timeout,
                 request_id=request_id,
                 arrival=arrival,
                 n=prepared.n,
@@ -280,13 +282,13 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
             log.info("request.refused", request_id=request_id, status=exc.status, code=exc.code)
         return _error(exc, reply_id)
     try:
-        relay = Relay(state, access.name, ticket, prepared, arrival, kind is ChatRequest)
+        relay = Relay(context, access.name, ticket, prepared, arrival, kind is ChatRequest)
     except BaseException:
         runtime.cancel(ticket)  # no reader would ever end it
         raise
     _exchange.get().append(relay.close)
     start_fields: dict[str, Any] = {}
-    if state.log_prompts:
+    if context.log_prompts:
         start_fields["prompt"] = relay.tokenizer.decode(prepared.prompt)
     log.info(
         "request.accepted",
@@ -314,16 +316,18 @@ async def _infer(state: ServerState, kind: type[CompletionRequest] | type[ChatRe
 
 
 async def _prepare(
-    state: ServerState, decoded: Any, size: int, request_id: str, tenant: str
+    context: ServerContext, decoded: Any, size: int, request_id: str, tenant: str
 ) -> Prepared:
-    tokenizer = state.tokenizer
+    tokenizer = context.tokenizer
     assert tokenizer is not None
 
     def run() -> Prepared:
         try:
             if faults.fire("tokenize") == "raise":
                 raise faults.InjectedFault("injected: tokenizing failed")
-            return prepare(decoded, tokenizer, state.vocab_size, state.max_model_len, state.max_n)
+            return prepare(
+                decoded, tokenizer, context.vocab_size, context.max_model_len, context.max_n
+            )
         except ApiError:
             raise
         except Exception as exc:  # noqa: BLE001  # this request's own fault: it alone fails
@@ -334,7 +338,7 @@ async def _prepare(
     prepared = await trio.to_thread.run_sync(run) if size > _BIG_PROMPT_CHARS else run()
     if prepared.grammar is None:
         return prepared
-    grammars = compiler_for(tokenizer, state.vocab_size)
+    grammars = compiler_for(tokenizer, context.vocab_size)
     try:
         # Off the event loop: the vocabulary's first build takes seconds, a
         # complex grammar's compile up to about a second (a cached one, microseconds).

@@ -8,7 +8,7 @@ data_parallel_rank]`` (``kvd.kv.events``). A subscriber that sees a gap in
 8-byte big-endian start), and gets each buffered one as ``[seq, payload]``,
 then ``[-1, b""]``.
 
-The engine task hands each step's events over with ``offer``, which never
+The step loop hands each step's events over with ``offer``, which never
 blocks: the batch goes into a bounded queue that one thread drains to the
 sockets (PUB drops for a subscriber past its high-water mark rather than
 wait). If the queue is full, the batch is not queued and the overflow is
@@ -90,7 +90,7 @@ class KVEventPublisher:
             verb = "bind" if bind else "connect to"
             raise KVEventsError(f"kv_events.{key}: cannot {verb} {endpoint}: {exc}") from None
 
-    # -- the engine task's side ------------------------------------------------------
+    # -- the step loop's side ------------------------------------------------------
 
     @property
     def events(self) -> KVEventLog | None:

@@ -1,8 +1,8 @@
 """Prometheus metrics: the scheduler's counters, and latency as clients see it.
 
-Pool and tenant figures are read from the engine task's latest snapshot when
+Pool and tenant figures are read from the step loop's latest snapshot when
 scraped (a collector, so nothing is updated per step). Latency histograms
-(TTFT, inter-token) are observed per tenant by the engine task when it hands
+(TTFT, inter-token) are observed per tenant by the step loop when it hands
 a step's tokens to their requests, a whole step at a time (one bucket search
 per tenant and step, not a labelled observation per token).
 
@@ -93,7 +93,7 @@ class SchedulerCollector(RuntimeCollector):
         failed_copies = CounterMetricFamily(
             "kvd_copy_failures",
             "Device-to-host copies that failed and were recovered from (swap_out: the "
-            "sequence is recomputed; offload: the host-tier blocks are dropped)",
+            "sequence is recomputed; offload: the host-cache blocks are dropped)",
             labels=["kind"],
         )
         for kind in ("swap_out", "offload"):
@@ -109,17 +109,17 @@ class SchedulerCollector(RuntimeCollector):
             "Prompt tokens found in the prefix cache",
             value=stats.prefix_hit_tokens,
         )
-        by_tier = CounterMetricFamily(
-            "kvd_prefix_hit_tokens_by_tier",
-            "Prompt tokens found in the prefix cache, by the tier that held them",
-            labels=["tier"],
+        by_memory = CounterMetricFamily(
+            "kvd_prefix_hit_tokens_by_memory",
+            "Prompt tokens found in the prefix cache, by the memory that held them",
+            labels=["memory"],
         )
-        by_tier.add_metric(["device"], stats.prefix_hit_tokens - stats.host_hit_tokens)
-        by_tier.add_metric(["host"], stats.host_hit_tokens)
-        yield by_tier
+        by_memory.add_metric(["device"], stats.prefix_hit_tokens - stats.host_hit_tokens)
+        by_memory.add_metric(["host"], stats.host_hit_tokens)
+        yield by_memory
         host = GaugeMetricFamily(
             "kvd_host_pages",
-            "Host budget pages (prefix cache tier and swap) by use",
+            "Host budget pages (host cache and swap) by use",
             labels=["use"],
         )
         host.add_metric(["cached"], stats.host_cached_pages)
@@ -127,15 +127,15 @@ class SchedulerCollector(RuntimeCollector):
         yield host
         yield GaugeMetricFamily(
             "kvd_host_capacity_pages",
-            "Host budget in pages (0: no host tier)",
+            "Host budget in pages (0: no host cache)",
             value=stats.host_pages,
         )
         yield CounterMetricFamily(
-            "kvd_host_offloads", "Cached blocks copied to the host tier", value=stats.host_offloads
+            "kvd_host_offloads", "Cached blocks copied to the host cache", value=stats.host_offloads
         )
         yield CounterMetricFamily(
             "kvd_host_evictions",
-            "Blocks dropped from the host tier",
+            "Blocks dropped from the host cache",
             value=stats.host_evictions,
         )
         if stats.prefill_tokens_per_s is not None:
@@ -167,7 +167,7 @@ class SchedulerCollector(RuntimeCollector):
             "pages_reserved": "KV pages reserved for the tenant",
             "surplus_pages": "Pages the tenant holds beyond its reservation",
             "host_swap_pages": "Host pages the tenant's swapped-out sequences hold",
-            "host_cached_pages": "Host-tier pages the tenant's cached blocks hold",
+            "host_cached_pages": "Host-cache pages the tenant's cached blocks hold",
             "service": "Weighted tokens served (fair-share virtual counter)",
         }
         counters = {

@@ -23,7 +23,7 @@ from kvd import faults
 from kvd.sched.scheduler import StepEvent
 from kvd.server.api import ApiError, Prepared
 from kvd.server.runtime import ENGINE_FAILED, Ticket, failed_message, waiting_batches
-from kvd.server.serving import ServerState
+from kvd.server.serving import ServerContext
 from kvd.server.textstream import TextStream
 
 log = structlog.get_logger("kvd")
@@ -82,24 +82,25 @@ class Relay:
 
     def __init__(
         self,
-        state: ServerState,
+        context: ServerContext,
         tenant: str,
         ticket: Ticket,
         prepared: Prepared,
         arrival: float,
         chat: bool,
     ) -> None:
-        assert state.runtime is not None and state.tokenizer is not None
-        self.state = state
+        assert context.runtime is not None and context.tokenizer is not None
+        self.context = context
         self.tenant = tenant
         self.ticket = ticket
         self.prepared = prepared
         self.arrival = arrival
         self.chat = chat
-        self.runtime = state.runtime
-        self.tokenizer = state.tokenizer
+        self.runtime = context.runtime
+        self.tokenizer = context.tokenizer
         self.choices = [
-            Choice(i, TextStream(state.tokenizer, prepared.params.stop)) for i in range(prepared.n)
+            Choice(i, TextStream(context.tokenizer, prepared.params.stop))
+            for i in range(prepared.n)
         ]
         self.finish_reason: str | None = None  # the request's, once every choice has one
         # echo with logprobs: the prompt's own (its tokens after the first),
@@ -314,7 +315,7 @@ class Relay:
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.context.model_name,
             "choices": choices,
             "usage": self.usage(),
         }
@@ -387,7 +388,7 @@ class Relay:
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.context.model_name,
             "choices": [body],
         }
         if self.prepared.include_usage:
@@ -400,7 +401,7 @@ class Relay:
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.context.model_name,
             "choices": [],
             "usage": self.usage(),
         }
@@ -417,10 +418,10 @@ class Relay:
         self._closed = True
         self.runtime.cancel(self.ticket)
         outcome = self.finish_reason or "disconnected"
-        self.state.metrics.outcomes.labels(self.tenant, outcome).inc()
+        self.context.metrics.outcomes.labels(self.tenant, outcome).inc()
         now = time.monotonic()
         fields: dict[str, Any] = {}
-        if self.state.log_prompts:
+        if self.context.log_prompts:
             texts = [self.tokenizer.decode(choice.tokens) for choice in self.choices]
             fields["completion"] = texts[0] if len(texts) == 1 else texts
         log.info(

@@ -1,7 +1,7 @@
-"""The engine task: the one owner of the scheduler, and its narrow async face.
+"""The step loop: the one owner of the scheduler, and its narrow async face.
 
 HTTP handlers never touch the scheduler. They queue commands (submit,
-cancel) into an inbox; the engine task applies the inbox at each step
+cancel) into an inbox; the step loop applies the inbox at each step
 boundary, then runs ``Scheduler.step`` in a worker thread (the event loop
 keeps serving while the device computes) and hands each request's tokens to
 its handler through a memory channel, which closes when the request ends
@@ -14,7 +14,7 @@ invariant breaks), the device state is unknown and no later step can be
 trusted: ``run`` returns with ``failure`` set, after ending every request in
 flight (closed with ``engine_failed``) and every queued command with its
 failure (a submit is refused, an admin call raises EngineFailed). From then
-on nothing waits on an engine task that is gone. A fault of one request's
+on nothing waits on a step loop that is gone. A fault of one request's
 own (the scheduler's ``error`` events) ends that request alone.
 """
 
@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 import structlog
 import trio
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.sched.constraint import Constraint
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Rejection, Request, Scheduler, SchedulerStats, StepEvent
 
 log = structlog.get_logger("kvd")
@@ -50,7 +50,7 @@ def failed_message(cause: str | None) -> str:
 
 
 class EngineFailed(RuntimeError):
-    """The engine task has failed; the daemon is exiting."""
+    """The step loop has failed; the daemon is exiting."""
 
 
 class StepTimeout(RuntimeError):
@@ -111,7 +111,7 @@ class Runtime:
         self.step_timeout = step_timeout
         self.failure: str | None = None  # why the engine failed, once it has
         self.copy_failures: dict[str, int] = {}  # device-to-host copies recovered from, by kind
-        self.heartbeat = clock()  # the engine task's last sign of life
+        self.heartbeat = clock()  # the step loop's last sign of life
         self.step_log_interval = step_log_interval
         self.snapshot: SchedulerStats = scheduler.stats()
         self._snapshot_at = 0.0
@@ -245,7 +245,7 @@ class Runtime:
         return len(tickets)
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the engine task at the next step boundary (admin
+        """Run ``fn`` on the step loop at the next step boundary (admin
         changes: atomic with respect to steps); its exception is re-raised here."""
         done = trio.Event()
         outcome: list[Any] = []
@@ -290,7 +290,7 @@ class Runtime:
     def _post(
         self, command: Callable[[], object], instead: Callable[[], object] | None = None
     ) -> None:
-        """Queue ``command`` for the engine task; ``instead`` runs if the engine
+        """Queue ``command`` for the step loop; ``instead`` runs if the engine
         has failed (now, or before it got to the command)."""
         if self.failure is not None:
             if instead is not None:
@@ -299,7 +299,7 @@ class Runtime:
         self._inbox.append((command, instead))
         self._wake.set()
 
-    # -- the engine task ------------------------------------------------------------
+    # -- the step loop ------------------------------------------------------------
 
     async def run(self) -> None:
         """Apply commands and run steps until cancelled; returns only if the

@@ -47,7 +47,7 @@ def build_scheduler(
             preemption=config.budget.preemption,
             target_step_ms=config.scheduler.target_step_ms,
             swap_pages=swap_space_pages(config, page_bytes),
-            host_pages=host_tier_pages(config, page_bytes),
+            host_pages=host_cache_pages(config, page_bytes),
         ),
         **kw,
     )
@@ -64,16 +64,16 @@ def build_scheduler(
 
 def swap_space_pages(config: Config, page_bytes: int) -> int:
     """The host swap in pages, and the base of a tenant's ``swap`` share:
-    ``pool.host_size`` when a host tier is set (swap shares its budget),
+    ``pool.host_size`` when a host cache is set (swap shares its budget),
     else ``scheduler.swap_space``."""
-    return host_tier_pages(config, page_bytes) or (
+    return host_cache_pages(config, page_bytes) or (
         parse_size(config.scheduler.swap_space) // page_bytes
     )
 
 
-def host_tier_pages(config: Config, page_bytes: int) -> int:
-    """``pool.host_size`` in pages: the host tier's budget, shared with swap
-    (0: no tier), and the base of a tenant's ``host_quota`` share."""
+def host_cache_pages(config: Config, page_bytes: int) -> int:
+    """``pool.host_size`` in pages: the host cache's budget, shared with swap
+    (0: no host cache), and the base of a tenant's ``host_quota`` share."""
     if config.pool.host_size.strip() == "0":
         return 0
     return parse_size(config.pool.host_size) // page_bytes
@@ -91,8 +91,8 @@ def tenant_config(config: Config, entry: Any, page_bytes: int, pool_pages: int) 
         swap = pages_of(f"{where}.swap", entry.swap, page_bytes, space)
     host_quota = None
     if entry.host_quota is not None:
-        tier = host_tier_pages(config, page_bytes)
-        host_quota = pages_of(f"{where}.host_quota", entry.host_quota, page_bytes, tier)
+        host_cache = host_cache_pages(config, page_bytes)
+        host_quota = pages_of(f"{where}.host_quota", entry.host_quota, page_bytes, host_cache)
     return TenantConfig(
         name=entry.name,
         reservation_pages=reservation,

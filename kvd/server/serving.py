@@ -21,7 +21,7 @@ class TenantAccess:
 
 
 @dataclass
-class ServerState:
+class ServerContext:
     runtime: Runtime | None  # None until the model is loaded
     tokenizer: Tokenizer | None
     model_name: str

@@ -50,7 +50,7 @@ def watchdog_interval() -> float | None:
 
 async def watchdog(alive: Callable[[float], bool]) -> None:
     """Ping systemd while ``alive(timeout)`` says the service works (the event
-    loop runs this, and the engine task has looped within the timeout)."""
+    loop runs this, and the step loop has looped within the timeout)."""
     interval = watchdog_interval()
     if interval is None or _address() is None:
         return

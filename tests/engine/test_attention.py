@@ -68,8 +68,8 @@ def build(
     heads: int = 4,
     kv_heads: int = 2,
     head_dim: int = 8,
-    slots: int = 2,
-    slot: int = 1,
+    places: int = 2,
+    place: int = 1,
     padding: int = 0,
     spare_rows: int = 0,
     min_pages: int = 0,
@@ -79,7 +79,7 @@ def build(
     lengths = [cached + new for cached, new in runs]
     width = ring if ring is not None else max(-(-n // BLOCK) for n in lengths)
     pages = max(min_pages, 1 + sum(-(-n // BLOCK) for n in lengths) + 3)
-    view = rng.standard_normal((pages, slots, 2, BLOCK, kv_heads, head_dim)).astype(np.float32)
+    view = rng.standard_normal((pages, places, 2, BLOCK, kv_heads, head_dim)).astype(np.float32)
     view[0] = 0.0
     free = list(rng.permutation(np.arange(1, pages)))
     rows = len(runs) + spare_rows
@@ -93,8 +93,8 @@ def build(
         first_needed = 0 if window is None else max(0, cached - window + 1) // BLOCK
         for b in range(blocks):
             page = free.pop()
-            view[page, slot, 0, : min(BLOCK, n - b * BLOCK)] = k[b * BLOCK : (b + 1) * BLOCK]
-            view[page, slot, 1, : min(BLOCK, n - b * BLOCK)] = v[b * BLOCK : (b + 1) * BLOCK]
+            view[page, place, 0, : min(BLOCK, n - b * BLOCK)] = k[b * BLOCK : (b + 1) * BLOCK]
+            view[page, place, 1, : min(BLOCK, n - b * BLOCK)] = v[b * BLOCK : (b + 1) * BLOCK]
             if b >= first_needed or ring is None:
                 tables[s, b % width] = page
         keys.append(k)
@@ -107,7 +107,7 @@ def build(
     args = {
         "q": q,
         "view": view,
-        "slot": slot,
+        "place": place,
         "tables": tables,
         "seq_index": np.asarray(seq_index, np.int32),
         "positions": np.asarray(positions, np.int32),

@@ -17,10 +17,10 @@ import pytest
 from kvd.engine import qdense, wquant
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, load_model, random_model
-from kvd.engine.sampling_params import SamplingParams
 from kvd.engine.weights import WeightsError, load_hf_directory, quantised_params
 from kvd.engine.wquant import QuantWeight, dequantize
-from kvd.sched.batch import BatchGenerator
+from kvd.oneshot.batch import BatchGenerator
+from kvd.sched.sampling_params import SamplingParams
 from tests.engine.conftest import TinyModel, torch
 
 gguf = pytest.importorskip("gguf")

@@ -29,12 +29,12 @@ from kvd.engine.config import ModelConfig
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
 from kvd.engine.model import forward
-from kvd.engine.sampling import SamplingParams
 from kvd.engine.weights import quantised_params, random_params
 from kvd.kv.geometry import interleaved_kinds
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
-from kvd.sched.batch import BatchGenerator
+from kvd.oneshot.batch import BatchGenerator
+from kvd.sched.sampling_params import SamplingParams
 
 SERVER_PROMPT = "Split me in two"
 SERVER_TOKENS = 12

@@ -10,8 +10,8 @@ import pytest  # noqa: E402
 
 from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
 from kvd.engine.loader import random_model  # noqa: E402
-from kvd.engine.sampling import SamplingParams  # noqa: E402
-from kvd.sched.batch import BatchGenerator  # noqa: E402
+from kvd.oneshot.batch import BatchGenerator  # noqa: E402
+from kvd.sched.sampling_params import SamplingParams  # noqa: E402
 
 CONFIG = EngineConfig(
     block_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, pool_tokens=256
@@ -28,7 +28,7 @@ def run(monkeypatch: pytest.MonkeyPatch, attention: str) -> list[list[int]]:
 
 
 def test_kernel_and_reference_generate_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.ragged_paged_attention as module
+    import kvd.engine.kernels.ragged_paged_attention as module
 
     traced: list[int] = []
     kernel = module.ragged_paged_attention

@@ -13,8 +13,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from kvd.engine.attention import paged_attention  # noqa: E402
+from kvd.engine.kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from kvd.engine.kvquant import quantise  # noqa: E402
 
 pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
@@ -29,12 +29,12 @@ def ragged_batch(
     head_dim: int,
     block_size: int,
     width: int,
-    slots: int,
+    places: int,
     dtype: jnp.dtype,
 ) -> dict[str, object]:
     num_seqs = len(chunks)
     pages = 1 + num_seqs * width  # page 0 is the null page
-    view = rng.standard_normal((pages, slots, 2, block_size, kv_heads, head_dim))
+    view = rng.standard_normal((pages, places, 2, block_size, kv_heads, head_dim))
     view[0] = 0.0
     order = rng.permutation(np.arange(1, pages))
     tables = order[: num_seqs * width].reshape(num_seqs, width).astype(np.int32)
@@ -83,11 +83,11 @@ def test_kernel_matches_reference(
         head_dim=128,
         block_size=16,
         width=4,
-        slots=2,
+        places=2,
         dtype=jnp.dtype(dtype),
     )
-    for slot in (0, 1):
-        args = dict(batch, slot=slot)
+    for place in (0, 1):
+        args = dict(batch, place=place)
         expected = paged_attention(**args, scale=128**-0.5, window=window, softcap=softcap)
         got = ragged_paged_attention(
             **args, scale=128**-0.5, window=window, softcap=softcap, interpret=True
@@ -104,9 +104,9 @@ def test_tpu_interpret_mode_simulates_the_dmas() -> None:
     rng = np.random.default_rng(3)
     batch = ragged_batch(
         rng, CASES["mixed"], heads=4, kv_heads=2, head_dim=128, block_size=16, width=4,
-        slots=2, dtype=jnp.float32,
+        places=2, dtype=jnp.float32,
     )  # fmt: skip
-    args = dict(batch, slot=1, scale=0.1, window=20, softcap=None)
+    args = dict(batch, place=1, scale=0.1, window=20, softcap=None)
     expected = paged_attention(**args)
     got = ragged_paged_attention(**args, interpret=pltpu.InterpretParams())
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
@@ -121,7 +121,7 @@ def test_lowers_for_tpu_without_a_tpu(head_dim: int, kv_heads: int, heads: int, 
     rng = np.random.default_rng(5)
     batch = ragged_batch(
         rng, CASES["mixed"], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
-        width=4, slots=3, dtype=jnp.dtype(dtype),
+        width=4, places=3, dtype=jnp.dtype(dtype),
     )  # fmt: skip
 
     def attend(q, view, tables, seq_index, positions, window):  # type: ignore[no-untyped-def]
@@ -164,9 +164,11 @@ def test_kernel_dequantises_an_int8_pool_as_the_reference_does(window: int | Non
     rng = np.random.default_rng(11)
     batch = ragged_batch(
         rng, CASES["mixed"], heads=4, kv_heads=2, head_dim=128, block_size=16, width=4,
-        slots=2, dtype=jnp.float32,
+        places=2, dtype=jnp.float32,
     )  # fmt: skip
-    args = dict(batch, view=quantise(batch["view"]), slot=1, scale=0.1, window=window, softcap=None)
+    args = dict(
+        batch, view=quantise(batch["view"]), place=1, scale=0.1, window=window, softcap=None
+    )
     assert args["view"].dtype == jnp.int8
     expected = paged_attention(**args)
     got = ragged_paged_attention(**args, interpret=True)

@@ -70,7 +70,7 @@ def test_int8_counts_its_scales_and_still_fits_34_sequences_of_512() -> None:
     assert r.bytes_per_token.global_ == 8 * 2 * 8 * (512 + 8)
     assert r.bytes_per_token.sliding == 40 * 2 * 8 * (256 + 4)
     assert r.kvd is not None
-    assert r.kvd.groups == 7 and r.kvd.padded_layer_slots == 0
+    assert r.kvd.groups == 7 and r.kvd.padded_layer_places == 0
     assert r.kvd.max_sequences_512 >= 34
 
 

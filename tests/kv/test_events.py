@@ -89,22 +89,22 @@ def test_the_operator_chooses_what_a_private_block_reveals(
 
 def test_blocks_moving_between_the_tiers_are_told_in_order(layout: PageLayout) -> None:
     kv = make_kv(layout, pages=24)
-    kv.enable_host_tier(32)
+    kv.enable_host_cache(32)
     events = kv.enable_events()
     sub = Subscriber()
     first = [*range(100, 112), 7]  # 3 full blocks
     hashes = run(kv, 1, "a", first).hashes
     i = 1
-    while any((0, h) in kv.pool.index for h in hashes):  # pushed out to the host tier
+    while any((0, h) in kv.pool.index for h in hashes):  # pushed out to the host cache
         i += 1
         run(kv, i, "b", [*range(200 * i, 200 * i + 12), 7])
         sub.apply(events.take())
         kv.host.take_copies()
     assert sub.held(GPU) == view(kv) and sub.held("CPU") == view(kv, "CPU")
-    assert sub.held("CPU"), "nothing reached the host tier"
+    assert sub.held("CPU"), "nothing reached the host cache"
     again = kv.add_sequence(9, "a", first)
     hit = kv.lookup(again)
-    assert hit.reloads  # from the host tier back to the device
+    assert hit.reloads  # from the host cache back to the device
     kv.allocate(again, len(first) - hit.num_tokens, hit)
     sub.apply(events.take())
     assert sub.held(GPU) == view(kv) and sub.held("CPU") == view(kv, "CPU")
@@ -113,7 +113,7 @@ def test_blocks_moving_between_the_tiers_are_told_in_order(layout: PageLayout) -
 
 def test_a_resync_tells_everything_held_from_scratch(layout: PageLayout) -> None:
     kv = make_kv(layout, pages=16)
-    kv.enable_host_tier(32)
+    kv.enable_host_cache(32)
     events = kv.enable_events()
     for i in range(1, 8):
         run(kv, i, "a" if i % 2 else "b", [*range(50 * i, 50 * i + 12), 7])

@@ -58,8 +58,8 @@ def test_layout_pages_are_equal_and_cover_every_layer(name: str, block_size: int
     seen: list[int] = []
     for group in layout.groups:
         per_layer = g.bytes_per_token_per_layer(group.kind)
-        assert block_size * group.slots * per_layer == layout.page_bytes
-        assert 1 <= len(group.layers) <= group.slots
+        assert block_size * group.places * per_layer == layout.page_bytes
+        assert 1 <= len(group.layers) <= group.places
         assert all(g.layer_kinds[i] is group.kind for i in group.layers)
         seen += group.layers
     assert sorted(seen) == list(range(g.num_layers))
@@ -73,7 +73,7 @@ def test_layout_prefers_exact_fit() -> None:
         ("global", 4),
         ("global", 4),
     ] + [("sliding", 8)] * 5
-    assert layout.padded_layer_slots() == 0
+    assert layout.padded_layer_places() == 0
     assert layout.group_of_layer(5) == (0, 0)
 
 

@@ -10,8 +10,8 @@ from kvd.kv import (
     BudgetError,
     KVError,
     KVManager,
-    KVState,
     PageLayout,
+    Residency,
     SharingPolicy,
     TenantBudget,
     build_layout,
@@ -263,7 +263,9 @@ def test_release_keeps_tokens_and_a_re_prefill_hits_itself(layout: PageLayout) -
     compute(kv, seq, 1)
     kv.release(seq)
     assert (
-        seq.state is KVState.WAITING and seq.num_computed == 0 and kv.ledger.accounts["a"].used == 0
+        seq.residency is Residency.WAITING
+        and seq.num_computed == 0
+        and kv.ledger.accounts["a"].used == 0
     )
     assert prefill(kv, seq) == 8
     kv.check_invariants()
@@ -278,12 +280,12 @@ def test_swap_out_and_in_remaps_pages(layout: PageLayout) -> None:
     assert {(c.group, c.block): c.page for c in out} == held
     assert kv.ledger.accounts["a"].used == len(held)  # held until the copy is done
     kv.finish_swap_out(seq)
-    assert seq.state is KVState.SWAPPED and kv.ledger.accounts["a"].used == 0
+    assert seq.residency is Residency.SWAPPED and kv.ledger.accounts["a"].used == 0
     other = kv.add_sequence(2, "b", list(range(100, 130)))
     prefill(kv, other)  # reuses the freed pages
     copies = kv.swap_in(seq)
     assert {(c.group, c.block) for c in copies} == set(held)
-    assert seq.state is KVState.RESIDENT and seq.num_computed == 14
+    assert seq.residency is Residency.RESIDENT and seq.num_computed == 14
     for c in copies:
         assert seq.tables[c.group][c.block] == c.page
     kv.append_tokens(seq, [1, 2, 3])
@@ -311,7 +313,7 @@ def test_failed_allocation_changes_nothing(layout: PageLayout) -> None:
     assert not kv.can_allocate(seq, 12)
     with pytest.raises(KVError, match="cannot allocate 9 pages"):
         kv.allocate(seq, 12)
-    assert seq.state is KVState.WAITING and kv.pool.num_idle() == 7
+    assert seq.residency is Residency.WAITING and kv.pool.num_idle() == 7
     kv.check_invariants()
 
 
@@ -331,7 +333,7 @@ def test_a_stale_hit_is_refused(layout: PageLayout) -> None:
     kv.flush_cache()
     with pytest.raises(KVError, match="stale"):
         kv.allocate(b, 2, hit)
-    assert b.state is KVState.WAITING
+    assert b.residency is Residency.WAITING
     kv.check_invariants()
 
 
@@ -507,5 +509,5 @@ def test_columns_follow_the_sequences(layout: PageLayout) -> None:
     again = kv.add_sequence(100, "a", [1, 2])
     assert again.slot == slot and again.num_computed == 0  # the slot, fresh
     compute(kv, again, 2)
-    assert done.num_computed == 0 and done.state is KVState.RELEASED  # its own copy
+    assert done.num_computed == 0 and done.residency is Residency.RELEASED  # its own copy
     kv.check_invariants()

@@ -17,7 +17,7 @@ import pytest
 from kvd.kv import (
     BudgetMode,
     KVManager,
-    KVState,
+    Residency,
     SharingPolicy,
     TenantBudget,
     build_layout,
@@ -28,7 +28,7 @@ from tests.kv.conftest import BLOCK, tiny_geometry
 
 
 def _grow(kv: KVManager, seq: Sequence, tokens: int, seen: Counter[str]) -> None:
-    hit = kv.lookup(seq) if seq.state is KVState.WAITING else None
+    hit = kv.lookup(seq) if seq.residency is Residency.WAITING else None
     start = hit.num_tokens if hit is not None else seq.num_computed
     tokens = min(tokens, len(seq.tokens) - start)
     demand = kv.demand(seq, tokens, hit)
@@ -73,16 +73,16 @@ def test_reservations_hold_under_an_abusive_tenant(seed: int) -> None:
             next_id += 1
         elif op < 0.85 and kv.sequences:
             seq = kv.sequences[rng.choice(sorted(kv.sequences))]
-            if seq.state is KVState.SWAPPED:
+            if seq.residency is Residency.SWAPPED:
                 if kv.can_swap_in(seq):
                     kv.swap_in(seq)
             else:
-                if seq.state is KVState.RESIDENT and seq.num_computed == len(seq.tokens):
+                if seq.residency is Residency.RESIDENT and seq.num_computed == len(seq.tokens):
                     kv.append_tokens(seq, [rng.randrange(4)])
                 _grow(kv, seq, rng.randrange(1, 10), seen)
         elif op < 0.93 and kv.sequences:
             seq = kv.sequences[rng.choice(sorted(kv.sequences))]
-            if seq.state is KVState.RESIDENT and rng.random() < 0.5:
+            if seq.residency is Residency.RESIDENT and rng.random() < 0.5:
                 kv.begin_swap_out(seq)
                 kv.finish_swap_out(seq)
             else:

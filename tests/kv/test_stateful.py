@@ -29,8 +29,8 @@ from kvd.kv import (
     BudgetMode,
     KVError,
     KVManager,
-    KVState,
     PrefixHit,
+    Residency,
     SharingPolicy,
     TenantBudget,
     build_layout,
@@ -117,8 +117,8 @@ class KVMachine(RuleBasedStateMachine):
 
     # -- picking sequences ---------------------------------------------------
 
-    def _pick(self, data: st.DataObject, state: KVState) -> Sequence:
-        ids = sorted(i for i, s in self.kv.sequences.items() if s.state is state)
+    def _pick(self, data: st.DataObject, state: Residency) -> Sequence:
+        ids = sorted(i for i, s in self.kv.sequences.items() if s.residency is state)
         return self.kv.sequences[data.draw(st.sampled_from(ids))]
 
     def _no_cross_tenant_holders(self) -> bool:
@@ -165,7 +165,7 @@ class KVMachine(RuleBasedStateMachine):
         short = demand.idle_pages - kv.pool.num_idle()
         sim = _Simulation(kv, seq, hit)  # preview changes nothing: one serves every candidate
         for other in kv.sequences.values():
-            if other.tenant == seq.tenant or other.state is not KVState.RESIDENT:
+            if other.tenant == seq.tenant or other.residency is not Residency.RESIDENT:
                 continue
             freed, relieved = sim.preview(other)
             assert not (relieved <= kv.ledger.surplus(other.tenant) and freed >= short), (
@@ -188,7 +188,7 @@ class KVMachine(RuleBasedStateMachine):
         self.next_id += 1
 
     def start(self, data: st.DataObject) -> None:
-        seq = self._pick(data, KVState.WAITING)
+        seq = self._pick(data, Residency.WAITING)
         chunk = data.draw(st.integers(1, 12), "chunk")
         hit = self.kv.lookup(seq)
         self._check_hit(seq, hit)
@@ -205,7 +205,7 @@ class KVMachine(RuleBasedStateMachine):
         self._grow(seq, min(chunk, len(seq.tokens) - hit.num_tokens), hit)
 
     def step(self, data: st.DataObject) -> None:
-        seq = self._pick(data, KVState.RESIDENT)
+        seq = self._pick(data, Residency.RESIDENT)
         chunk = data.draw(st.integers(1, 12), "chunk")
         if seq.num_computed == len(seq.tokens):
             self.kv.append_tokens(seq, [data.draw(st.integers(0, 3), "token")])
@@ -218,10 +218,10 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.finish(seq)
 
     def preempt_by_release(self, data: st.DataObject) -> None:
-        self.kv.release(self._pick(data, KVState.RESIDENT))
+        self.kv.release(self._pick(data, Residency.RESIDENT))
 
     def swap_out(self, data: st.DataObject) -> None:
-        seq = self._pick(data, KVState.RESIDENT)
+        seq = self._pick(data, Residency.RESIDENT)
         pool = self.kv.pool
         private = [
             page
@@ -238,7 +238,7 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
 
     def swap_in(self, data: st.DataObject) -> None:
-        seq = self._pick(data, KVState.SWAPPED)
+        seq = self._pick(data, Residency.SWAPPED)
         if not self.kv.can_swap_in(seq):
             return
         blocks = seq.swapped_blocks
@@ -316,19 +316,21 @@ class KVMachine(RuleBasedStateMachine):
         "remove_public_prefix",
         "flush",
     )
-    NEEDS: ClassVar[dict[str, KVState]] = {
-        "start": KVState.WAITING,
-        "step": KVState.RESIDENT,
-        "preempt_by_release": KVState.RESIDENT,
-        "swap_out": KVState.RESIDENT,
-        "swap_in": KVState.SWAPPED,
+    NEEDS: ClassVar[dict[str, Residency]] = {
+        "start": Residency.WAITING,
+        "step": Residency.RESIDENT,
+        "preempt_by_release": Residency.RESIDENT,
+        "swap_out": Residency.RESIDENT,
+        "swap_in": Residency.SWAPPED,
     }
 
     @rule(data=st.data())
     def act(self, data: st.DataObject) -> None:
         operation = data.draw(st.sampled_from(self.OPERATIONS), "operation")
         needed = self.NEEDS.get(operation)
-        if needed is not None and not any(s.state is needed for s in self.kv.sequences.values()):
+        if needed is not None and not any(
+            s.residency is needed for s in self.kv.sequences.values()
+        ):
             return
         getattr(self, operation)(data)
 

@@ -3,10 +3,10 @@ sampling parameters the scheduler tests share."""
 
 from __future__ import annotations
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.geometry import AttentionKind, KVGeometry, LayerType
 from kvd.kv.layout import build_layout
 from kvd.sched.executor import ExecutorLimits
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.simulated import SimulatedExecutor
 
 STOP_IDS = frozenset({1})

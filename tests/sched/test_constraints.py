@@ -14,9 +14,9 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.ledger import BudgetMode
 from kvd.sched.constraint import BITS, mask_words
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from tests.sched.simulated import LIMITS, Clock, make_executor
 

@@ -10,10 +10,10 @@ from collections import defaultdict
 import msgspec
 import pytest
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.ledger import BudgetMode
 from kvd.sched.ratelimit import RateLimits
-from kvd.sched.requests import Rejection, Request, RequestState
+from kvd.sched.requests import Rejection, Request, RequestPhase
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from kvd.sched.simulated import expected_output
 from tests.sched.simulated import LIMITS, STOP_IDS, Clock, greedy, make_executor
@@ -56,7 +56,7 @@ def run(
 def _shares_prompt_blocks(scheduler: Scheduler, choices: list[Request]) -> bool:
     """Whether every choice holds the prompt's full blocks of the global
     group as the same pages, each referenced once per choice (and charged once)."""
-    live = [r for r in choices if r.state is RequestState.RUNNING and r.seq is not None]
+    live = [r for r in choices if r.phase is RequestPhase.RUNNING and r.seq is not None]
     if len(live) < len(choices):
         return False
     kv = scheduler.kv
@@ -107,14 +107,14 @@ def test_cancel_ends_all_choices_or_one() -> None:
     lead = scheduler.submit("r", "t", prompt(3, 24), greedy(20), n=3)
     for _ in range(8):
         scheduler.step()
-    assert all(r.state is RequestState.RUNNING for r in (lead, *lead.forks))
+    assert all(r.phase is RequestPhase.RUNNING for r in (lead, *lead.forks))
     assert scheduler.cancel("r", choice=1)
-    assert lead.forks[0].state is RequestState.FINISHED
-    assert lead.state is RequestState.RUNNING and lead.forks[1].state is RequestState.RUNNING
+    assert lead.forks[0].phase is RequestPhase.FINISHED
+    assert lead.phase is RequestPhase.RUNNING and lead.forks[1].phase is RequestPhase.RUNNING
     assert not scheduler.cancel("r", choice=1)  # already over
     scheduler.step()
     assert scheduler.cancel("r")
-    assert all(r.state is RequestState.FINISHED for r in (lead, *lead.forks))
+    assert all(r.phase is RequestPhase.FINISHED for r in (lead, *lead.forks))
     assert not scheduler.cancel("r") and "r" not in scheduler.choices
     scheduler.kv.check_invariants()
     assert scheduler.kv.pool.num_referenced() == 0
@@ -132,7 +132,7 @@ def test_the_first_choices_end_leaves_the_others_running() -> None:
         for event in scheduler.step():
             if event.token is not None:
                 outputs[event.choice].append(event.token)
-    assert scheduler.cancel("r", choice=0) and lead.state is RequestState.FINISHED
+    assert scheduler.cancel("r", choice=0) and lead.phase is RequestPhase.FINISHED
     while scheduler.has_work():
         for event in scheduler.step():
             if event.token is not None:
@@ -218,7 +218,7 @@ def test_a_prompts_own_logprobs_come_with_its_first_token() -> None:
     for _ in range(50):
         for event in scheduler.step():
             firsts.setdefault(event.choice, event)
-        if len(firsts) == 2 and lead.state is RequestState.FINISHED:
+        if len(firsts) == 2 and lead.phase is RequestPhase.FINISHED:
             break
     assert lead.cached_tokens == 0
     scores = firsts[0].prompt

@@ -15,7 +15,7 @@ from kvd.sched.costmodel import Rates, measure_rates
 from kvd.sched.executor import ExecutorLimits
 from kvd.sched.fairshare import VirtualCounters
 from kvd.sched.preemption import RECOMPUTE, SWAP, preemption_kind
-from kvd.sched.requests import RequestState
+from kvd.sched.requests import RequestPhase
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from kvd.sched.simulated import SimulatedExecutor, expected_output
 from kvd.sched.stepplan import StepPlan
@@ -93,7 +93,7 @@ def test_the_scheduler_imports_no_jax() -> None:
     import sys
 
     code = (
-        "import sys, kvd.sched, kvd.sched.scheduler, kvd.sched.batch, kvd.sched.simulated; "
+        "import sys, kvd.sched, kvd.sched.scheduler, kvd.oneshot.batch, kvd.sched.simulated; "
         "assert 'jax' not in sys.modules, 'jax imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -186,7 +186,7 @@ def test_swap_keeps_shared_pages_shared_within_the_host_budget() -> None:
     private = set(seq.held_pages()) - shared
     assert shared and private
     scheduler.preemption.preempt(two, StepPlan(16, 6))
-    assert two.state is RequestState.SWAPPED
+    assert two.phase is RequestPhase.SWAPPED
     assert two.host_pages is not None
     assert len(two.host_pages[0]) == len(private)  # only its own pages went to host
     assert set(seq.held_pages()) == shared  # the shared ones stay held on the device
@@ -412,7 +412,7 @@ def test_a_swap_victim_that_shares_pages_is_recomputed() -> None:
         run.step()
     two = scheduler.requests["two"]
     scheduler.preemption.preempt(two, StepPlan(16, 6), must_free=True)
-    assert two.state is RequestState.WAITING  # recomputed, though swap is configured
+    assert two.phase is RequestPhase.WAITING  # recomputed, though swap is configured
     run.drain()
     assert run.outputs["two"] == expected(base + [4], 12)
 

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvd.sched.preemption as preemption_module
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.eviction import plan_eviction
 from kvd.kv.ledger import BudgetError, BudgetMode
 from kvd.kv.scope import SharingPolicy
 from kvd.sched.costmodel import Rates
-from kvd.sched.requests import Rejection, RequestState
+from kvd.sched.requests import Rejection, RequestPhase
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from kvd.sched.simulated import expected_output
 from tests.sched.simulated import STOP_IDS, Clock, make_executor
@@ -84,7 +84,7 @@ class PolicyMachine(RuleBasedStateMachine):
             preemption=preemption,
             target_step_ms=target_ms,
             swap_pages=swap_pages,
-            host_pages=host_pages,  # the prefix cache's host tier, shared with swap
+            host_pages=host_pages,  # the host cache, shared with swap
         )
         self.scheduler = CheckedScheduler(self.executor, config, rates=rates, clock=self.clock)
         self.capacity = self.scheduler.kv.ledger.capacity
@@ -222,7 +222,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.faulted = request_id
         self.faulty.bad_seq = seq.seq_id
 
-    # Only without the host tier: a failed offload whose block a hit claims in
+    # Only without the host cache: a failed offload whose block a hit claims in
     # the same step fails the engine (the daemon restarts), by design.
     @precondition(lambda self: self.host_pages == 0)
     @rule(steps=st.integers(1, 12))
@@ -318,15 +318,15 @@ class PolicyMachine(RuleBasedStateMachine):
         assert kv.pool.num_referenced() == len(held)
         host = sum(len(r.host_pages[0]) for r in scheduler.swapped.values() if r.host_pages)
         assert scheduler.swap_space.held == host
-        tier = kv.host
-        if tier.enabled:  # one host budget: swap first, the tier in what is left
-            assert tier.swap_held == host and host + len(tier) <= tier.total
-            scheduler.sync_host_tier()  # as the next step would: then the data is the tier's
-            assert set(scheduler.host_store) <= {b.slot for b in tier.blocks.values()}
+        cache = kv.host
+        if cache.enabled:  # one host budget: swap first, the cache in what is left
+            assert cache.swap_held == host and host + len(cache) <= cache.total
+            scheduler.sync_host_cache()  # as the next step would: then the data is the cache's
+            assert set(scheduler.host_store) <= {b.row for b in cache.blocks.values()}
         elif scheduler.config.swap_pages is not None:
             assert host <= scheduler.config.swap_pages
         for request in scheduler.requests.values():
-            assert request.state is not RequestState.FINISHED
+            assert request.phase is not RequestPhase.FINISHED
 
     def teardown(self) -> None:
         if not hasattr(self, "scheduler"):
@@ -341,7 +341,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 break
             self._one_step()
         assert not scheduler.has_work(), [
-            (r.request_id, r.state, r.tenant) for r in scheduler.requests.values()
+            (r.request_id, r.phase, r.tenant) for r in scheduler.requests.values()
         ]
         for request_id in self.expected:
             assert request_id in self.done, request_id
@@ -375,7 +375,7 @@ def test_policy_fuzz(monkeypatch: Any) -> None:
 
 
 def test_a_sequence_swapped_out_in_the_step_that_reloaded_its_blocks() -> None:
-    """Found by the fuzz (shrunk): a request whose prefix hit reloads host-tier
+    """Found by the fuzz (shrunk): a request whose prefix hit reloads host-cache
     blocks is preempted by swap in the same step, before the queued copy in
     ran; its swap copy must read the reloaded content, not the page's old one."""
     machine = PolicyMachine()
@@ -398,7 +398,7 @@ def test_a_sequence_swapped_out_in_the_step_that_reloaded_its_blocks() -> None:
 
 def test_a_prefix_hit_made_stale_by_its_own_evictions_waits() -> None:
     """Found by the fuzz (shrunk): a victim evicted for a request with a prefix
-    hit is swapped out, and makes room on the host by dropping 3 host-tier
+    hit is swapped out, and makes room on the host by dropping 3 host-cache
     blocks. The scheduler checked the hit against the device's eviction count
     alone, which had not moved, while ``allocate`` checks both tiers and
     refused the hit as stale (in a daemon: an engine failure). The request

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.engine.sampling import SamplingParams
 from kvd.kv.ledger import BudgetMode
 from kvd.sched.ratelimit import RateLimits
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import (
     Rejection,
-    RequestState,
+    RequestPhase,
     Scheduler,
     SchedulerConfig,
     TenantConfig,
@@ -88,13 +88,13 @@ def test_preemption_is_invisible(engine, kind: str, when: str, sampling: str) ->
         if not scheduler.has_work():
             break
         if step == preempt_at:
-            assert request.state is RequestState.RUNNING
+            assert request.phase is RequestPhase.RUNNING
             if when == "mid-prefill":
                 assert request.seq is not None and request.seq.num_computed < len(ids)
             scheduler.preemption.preempt(request, StepPlan(32, 8))
             scheduler.kv.check_invariants()
-            expected_state = RequestState.SWAPPED if kind == "swap" else RequestState.WAITING
-            assert request.state is expected_state
+            expected_state = RequestPhase.SWAPPED if kind == "swap" else RequestPhase.WAITING
+            assert request.phase is expected_state
         outputs += [e.token for e in scheduler.step() if e.token is not None]
     assert outputs == expected
     stats = scheduler.stats().tenants["t"]
@@ -358,8 +358,8 @@ def test_the_engine_tables_follow_the_kv_tables(make_engine: MakeEngine) -> None
     scheduler.kv.check_invariants()
 
 
-def test_a_host_tier_hit_yields_the_tokens_of_a_device_hit(engine) -> None:  # type: ignore[no-untyped-def]
-    """On the real engine: a prefix evicted from the pool to the host tier and
+def test_a_host_cache_hit_yields_the_tokens_of_a_device_hit(engine) -> None:  # type: ignore[no-untyped-def]
+    """On the real engine: a prefix evicted from the pool to the host cache and
     copied back gives the greedy tokens a recompute gives, and is counted as
     a host hit."""
     shared = prompt(21, 64)

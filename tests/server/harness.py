@@ -190,7 +190,7 @@ class Served:
         return [e for e in self.logs if e.get("event") == event]
 
     async def settled(self) -> None:
-        """Until the engine task has applied every command posted so far
+        """Until the step loop has applied every command posted so far
         (the cancels of requests that ended, say)."""
         assert self.daemon.runtime is not None
         await self.daemon.runtime.settle()
@@ -237,7 +237,7 @@ async def serving(
     **values: Any,
 ) -> AsyncIterator[Served]:
     """An in-process daemon, loaded and ready, for the ``async with`` body;
-    its engine task is stopped after. ``values`` fill the tiny config (see
+    its step loop is stopped after. ``values`` fill the tiny config (see
     conftest.write_config); ``config_path`` reuses a written one (a restart);
     ``admin_socket`` serves the admin API on its real Unix socket as well,
     kept bound as the daemon keeps it; ``step_in_thread`` runs steps in the

@@ -378,15 +378,15 @@ async def test_a_second_daemon_on_the_admin_socket_is_refused(tmp_path: Path) ->
     assert stale.parent.exists()
 
 
-async def test_the_host_tier_through_status_metrics_and_flush(tmp_path: Path) -> None:
+async def test_the_host_cache_through_status_metrics_and_flush(tmp_path: Path) -> None:
     """A pool smaller than the prompts it serves: evicted cached blocks go to
-    the host tier (charged to their tenant), a quota set live drops them, a
-    flush empties the tier, and a repeated greedy prompt answers the same.
+    the host cache (charged to their tenant), a quota set live drops them, a
+    flush empties the host cache, and a repeated greedy prompt answers the same.
     The pool holds int8 K/V: pages (scales included) are what status counts."""
     async with serving(tmp_path, pool="80KiB", host_size="4MiB", kv_dtype="int8") as served:
         # Copies cheaper than any recompute: whether a host hit is reloaded is
         # the cost model's call (measured rates, which a busy machine skews),
-        # and this test is about the tier's plumbing.
+        # and this test is about the host cache's plumbing.
         rates = served.scheduler.rates
         if rates is not None:
             served.scheduler.rates = msgspec.structs.replace(
@@ -411,7 +411,7 @@ async def test_the_host_tier_through_status_metrics_and_flush(tmp_path: Path) ->
         assert tenants["alice"]["host_cached_pages"] > 0
         metrics = await served.metrics()
         assert metrics['kvd_host_pages{use="cached"}'] == host["cached_pages"]
-        assert 'kvd_prefix_hit_tokens_by_tier_total{tier="host"}' in metrics
+        assert 'kvd_prefix_hit_tokens_by_memory_total{memory="host"}' in metrics
         again = await served.complete(ALICE, "alpha beta gamma " * 60)
         assert (await again.get_json())["choices"][0]["text"] == (await first.get_json())[
             "choices"
@@ -428,8 +428,8 @@ async def test_the_host_tier_through_status_metrics_and_flush(tmp_path: Path) ->
         await served.assert_whole()
 
 
-def test_kvctl_text_of_a_host_tier(tmp_path: Path) -> None:
-    """kvctl's status table shows the host quota column once a tier exists."""
+def test_kvctl_text_of_a_host_cache(tmp_path: Path) -> None:
+    """kvctl's status table shows the host quota column once a host cache exists."""
 
     async def main() -> subprocess.CompletedProcess[bytes]:
         async with serving(tmp_path, admin_socket=True, host_size="4MiB") as served:

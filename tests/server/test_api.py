@@ -710,7 +710,7 @@ async def test_metrics_are_not_on_the_tenant_port(served: Served) -> None:
     from kvd.server.http import create_metrics_app
 
     assert (await served.http.get("/metrics")).status_code == 404
-    metrics_app = create_metrics_app(served.daemon.state.metrics)
+    metrics_app = create_metrics_app(served.daemon.context.metrics)
     scraped = await metrics_app.test_client().get("/metrics")
     assert scraped.status_code == 200 and b"kvd_pool_pages" in await scraped.get_data()
 

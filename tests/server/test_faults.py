@@ -234,7 +234,7 @@ async def test_an_engine_failure_answers_everyone_and_arms_the_exit(
         for lines in streams:
             error = error_event(lines)
             assert error["code"] == "engine_failed" and cause in error["message"], error
-        await until(  # the engine task's end reaches the daemon
+        await until(  # the step loop's end reaches the daemon
             lambda: served.daemon.failure is not None and served.named("lifecycle.failed"),
             "the daemon heard of the failure",
         )

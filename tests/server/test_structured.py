@@ -189,7 +189,7 @@ async def test_regex_choice_and_lark(served: Served) -> None:
 
 async def test_a_format_compiles_once(served: Served) -> None:
     """The second request with the same schema takes the cached grammar."""
-    grammars = compiler_for(tokenizer(), served.daemon.state.vocab_size)
+    grammars = compiler_for(tokenizer(), served.daemon.context.vocab_size)
     schema = {
         "type": "object",
         "properties": {"k": {"enum": [1, 2]}},

@@ -1,4 +1,4 @@
-"""``kvd bench host-tier``: the prefix cache's host tier on and off, one run.
+"""``kvd bench host-cache``: the host cache on and off, one run.
 
 A workload whose reused prefixes do not fit the device pool: ``documents``
 prefixes of ``doc_tokens`` tokens (together several times the pool), asked
@@ -8,7 +8,7 @@ through the real scheduler and engine, with the cost model calibrated on
 this machine; the same engine serves both runs, each on a fresh KV manager.
 
 Per run: prompt tokens, tokens served from the cache (and of them from the
-host tier), prefill tokens computed, TTFT p50 and mean, and whether every
+host cache), prefill tokens computed, TTFT p50 and mean, and whether every
 greedy continuation equals the other run's.
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 from kvd.bench.kv import machine_description
 
 
-class TierRun(msgspec.Struct, frozen=True):
-    host_tier: bool
+class HostCacheRun(msgspec.Struct, frozen=True):
+    host_cache: bool
     host_pages: int
     requests: int
     prompt_tokens: int
@@ -35,21 +35,21 @@ class TierRun(msgspec.Struct, frozen=True):
     host_offloads: int
 
 
-class HostTierReport(msgspec.Struct, frozen=True):
+class HostCacheReport(msgspec.Struct, frozen=True):
     machine: str
     model: str
     pool_tokens: int
     documents: int
     doc_tokens: int
     rounds: int
-    off: TierRun
-    on: TierRun
+    off: HostCacheRun
+    on: HostCacheRun
     outputs_equal: bool
     prefill_saved: float  # 1 - on.prefill_tokens / off.prefill_tokens
     ttft_p50_ratio: float  # on / off
 
 
-def run_host_tier_bench(
+def run_host_cache_bench(
     model_name: str = "gemma3-270m",
     *,
     documents: int = 6,
@@ -57,10 +57,10 @@ def run_host_tier_bench(
     rounds: int = 3,
     pool_tokens: int = 1024,
     host_size: int = 1 << 30,
-) -> HostTierReport:
+) -> HostCacheReport:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import load_model
-    from kvd.engine.sampling import SamplingParams
+    from kvd.sched.sampling_params import SamplingParams
     from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 
     loaded = load_model(model_name, "float32")
@@ -82,11 +82,11 @@ def run_host_tier_bench(
         for _ in range(rounds)
         for d in range(documents)
     ]
-    runs: dict[bool, TierRun] = {}
+    runs: dict[bool, HostCacheRun] = {}
     outputs: dict[bool, list[list[int]]] = {}
     rates = None
-    for tier in (False, True):
-        host_pages = host_size // engine.layout.page_bytes if tier else 0
+    for host_cache in (False, True):
+        host_pages = host_size // engine.layout.page_bytes if host_cache else 0
         scheduler = Scheduler(engine, SchedulerConfig(host_pages=host_pages))
         scheduler.set_tenant(TenantConfig("t"))
         rates = rates or scheduler.calibrate(repeats=1)
@@ -112,8 +112,8 @@ def run_host_tier_bench(
         stats = scheduler.kv.stats()
         scheduler.kv.check_invariants()
         prompt_tokens = sum(len(p) for p in prompts)
-        runs[tier] = TierRun(
-            host_tier=tier,
+        runs[host_cache] = HostCacheRun(
+            host_cache=host_cache,
             host_pages=host_pages,
             requests=len(prompts),
             prompt_tokens=prompt_tokens,
@@ -124,9 +124,9 @@ def run_host_tier_bench(
             ttft_mean_s=float(np.mean(ttfts)),
             host_offloads=stats.host_offloads,
         )
-        outputs[tier] = outs
+        outputs[host_cache] = outs
     off, on = runs[False], runs[True]
-    return HostTierReport(
+    return HostCacheReport(
         machine=machine_description(),
         model=loaded.config.name,
         pool_tokens=pool_tokens,
@@ -141,17 +141,17 @@ def run_host_tier_bench(
     )
 
 
-def render(report: HostTierReport) -> str:
+def render(report: HostCacheReport) -> str:
     lines = [
-        f"kvd bench host-tier: {report.model}, pool of {report.pool_tokens:,} tokens per group, "
+        f"kvd bench host-cache: {report.model}, pool of {report.pool_tokens:,} tokens per group, "
         f"{report.documents} documents x {report.doc_tokens} tokens, {report.rounds} rounds",
         f"machine: {report.machine}",
         "",
-        "host tier         prompt tokens  cached  of them host  prefill computed  TTFT p50  "
+        "host cache         prompt tokens  cached  of them host  prefill computed  TTFT p50  "
         "TTFT mean",
     ]
     for run in (report.off, report.on):
-        label = f"on ({run.host_pages} pages)" if run.host_tier else "off"
+        label = f"on ({run.host_pages} pages)" if run.host_cache else "off"
         lines.append(
             f"{label:<16}  {run.prompt_tokens:>13,}  {run.cached_tokens:>6,}  "
             f"{run.host_hit_tokens:>12,}  {run.prefill_tokens:>16,}  {run.ttft_p50_s:>7.3f}s"
@@ -159,7 +159,7 @@ def render(report: HostTierReport) -> str:
         )
     lines += [
         "",
-        f"prefill tokens saved by the tier: {report.prefill_saved:.1%}; TTFT p50 on/off: "
+        f"prefill tokens saved by the host cache: {report.prefill_saved:.1%}; TTFT p50 on/off: "
         f"{report.ttft_p50_ratio:.2f}x; greedy outputs equal: {report.outputs_equal}",
     ]
     return "\n".join(lines)

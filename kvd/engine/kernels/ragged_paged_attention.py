@@ -36,7 +36,7 @@ Limits
 - head_dim is the lane dimension: 128, 256 or 512 tile cleanly; block_size
   (the sublane dimension of a page block) should be a multiple of 8 (16 by
   default) for f32, 16 for bf16.
-- The pool view is ``[P, slots, 2, L, K, H]``; each (page, slot, K-or-V)
+- The pool view is ``[P, places, 2, L, K, H]``; each (page, place, K-or-V)
   block is one ``[L, K, H]`` DMA. An int8 pool's rows are ``H + 4`` (values,
   then their f32 scale's bytes: kvd/engine/kvquant.py), dequantised in VMEM
   after the DMA, so the DMA moves half the bytes of bf16. That row width is
@@ -65,7 +65,7 @@ def _kernel(
     pos_ref,  # [T] int32
     window_ref,  # [1] int32
     ring_ref,  # [1] int32
-    slot_ref,  # [1] int32 (read by the index maps)
+    place_ref,  # [1] int32 (read by the index maps)
     # inputs (VMEM blocks)
     q_ref,  # [K, G, H]
     k_ref,  # [L, K, H]
@@ -145,8 +145,8 @@ def _entry_block(w, position, window, ring, block_size: int):
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
-    view: jax.Array,  # [P, slots, 2, L, K, H]
-    slot: jax.Array | int,
+    view: jax.Array,  # [P, places, 2, L, K, H]
+    place: jax.Array | int,
     tables: jax.Array,  # [S, W]
     seq_index: jax.Array,  # [T]
     positions: jax.Array,  # [T]
@@ -165,18 +165,18 @@ def ragged_paged_attention(
     window_arr = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
     ring_arr = jnp.full((1,), width if ring is None else ring, jnp.int32)
 
-    def q_map(t, w, tables, seqs, pos, win, ring, slot):
+    def q_map(t, w, tables, seqs, pos, win, ring, place):
         return (t, 0, 0, 0)
 
     def page(t, w, tables, seqs, pos, win, ring):
         _, seen = _entry_block(w, pos[t], win[0], ring[0], block_size)
         return jnp.where(seen, tables[seqs[t], w], 0)
 
-    def k_map(t, w, tables, seqs, pos, win, ring, slot):
-        return (page(t, w, tables, seqs, pos, win, ring), slot[0], 0, 0, 0, 0)
+    def k_map(t, w, tables, seqs, pos, win, ring, place):
+        return (page(t, w, tables, seqs, pos, win, ring), place[0], 0, 0, 0, 0)
 
-    def v_map(t, w, tables, seqs, pos, win, ring, slot):
-        return (page(t, w, tables, seqs, pos, win, ring), slot[0], 1, 0, 0, 0)
+    def v_map(t, w, tables, seqs, pos, win, ring, place):
+        return (page(t, w, tables, seqs, pos, win, ring), place[0], 1, 0, 0, 0)
 
     squeezed = pl.squeezed
     # The last two block dims (K, H) are whole array dims, as Mosaic requires.
@@ -217,7 +217,7 @@ def ragged_paged_attention(
         positions.astype(jnp.int32),
         window_arr,
         ring_arr,
-        jnp.full((1,), slot, jnp.int32),
+        jnp.full((1,), place, jnp.int32),
         q.reshape(num_tokens, num_kv, group, head_dim),
         view,
         view,

@@ -9,11 +9,11 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kv.ledger import BudgetMode
 from kvd.kv.manager import KVManager
 from kvd.sched.executor import Executor
 from kvd.sched.requests import Rejection
+from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler
 from kvd.sched.settings import SchedulerConfig, TenantConfig
 

@@ -9,10 +9,10 @@ import msgspec
 
 from kvd.engine.engine import Engine, EngineConfig, EngineError
 from kvd.engine.loader import ModelLoadError, load_model
-from kvd.engine.sampling import SamplingParams
 from kvd.engine.tokenizer import ChatMessage, TokenizerError
+from kvd.oneshot.batch import BatchGenerator
 from kvd.sched.admission import prompt_problem
-from kvd.sched.batch import BatchGenerator
+from kvd.sched.sampling_params import SamplingParams
 
 
 class GenerateError(Exception):

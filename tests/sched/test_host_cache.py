@@ -1,4 +1,4 @@
-"""The prefix cache's host tier on the simulated executor, whose pages hold
+"""The host cache on the simulated executor, whose pages hold
 each position's token and which checks every page a step reads: a block
 copied back from the host with the wrong content fails the step (CorruptKV)."""
 
@@ -61,8 +61,8 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens() -> No
         if host:
             assert after.host_offloads > 0
             assert after.host_hit_tokens - before.host_hit_tokens >= 8 * BLOCK
-            assert not s.host_store.keys() - {b.slot for b in s.kv.host.blocks.values()}
-    # Without the tier the flood left nothing; with it, the 40-token prefix hit.
+            assert not s.host_store.keys() - {b.row for b in s.kv.host.blocks.values()}
+    # Without the host cache the flood left nothing; with it, the 40-token prefix hit.
     assert outputs[0] == 0 and outputs[200] == 40
 
 
@@ -102,7 +102,7 @@ def test_flush_removal_and_quotas_leave_no_host_block_behind() -> None:
     # Flush empties both tiers.
     assert len(host) > 0
     s.kv.flush_cache()
-    s.sync_host_tier()
+    s.sync_host_cache()
     assert len(host) == 0 and not s.kv.pool.lru and not s.host_store
     s.kv.check_invariants()
 
@@ -119,7 +119,7 @@ def test_a_quota_caps_a_tenant_and_leaves_the_others_room() -> None:
     assert SHARED_ACCOUNT not in s.kv.host.used
 
 
-def test_swap_and_the_host_tier_share_one_budget() -> None:
+def test_swap_and_the_host_cache_share_one_budget() -> None:
     """Swapped-out sequences come first: a swap-out drops cached host blocks
     to fit, and the two never hold more than the budget together."""
     s = scheduler(24, pages=40)
@@ -149,15 +149,15 @@ def test_copies_run_in_the_order_they_were_decided() -> None:
     (its sequence preempted, the page taken by another) must be copied in
     before it is copied out: the fuzz found the reverse order losing it."""
     s = scheduler(50)
-    tier, pool = s.kv.host, s.executor.pool
+    cache, pool = s.kv.host, s.executor.pool
     page = 5
     pool[page] = 111
-    assert tier.offer((0, b"k"), page, "a", None)
-    s.sync_host_tier()
+    assert cache.offer((0, b"k"), page, "a", None)
+    s.sync_host_cache()
     pool[page] = 0  # the page was reused since
-    tier.copy_in(tier.claim((0, b"k")), page)  # a hit brings the block back into it
-    assert tier.offer((0, b"k2"), page, "a", None)  # and it is evicted again at once
-    s.sync_host_tier()
+    cache.copy_in(cache.claim((0, b"k")), page)  # a hit brings the block back into it
+    assert cache.offer((0, b"k2"), page, "a", None)  # and it is evicted again at once
+    s.sync_host_cache()
     assert (pool[page] == 111).all()
-    (again,) = tier.blocks.values()
-    assert (_row(s.host_store[again.slot]) == 111).all()
+    (again,) = cache.blocks.values()
+    assert (_row(s.host_store[again.row]) == 111).all()
