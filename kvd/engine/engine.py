@@ -712,13 +712,13 @@ class Engine:
         hidden, self._every_hidden, self.pool = body_program(
             self.params, self.pool, self._put(flat), self._every_hidden
         )
-        sampled, logprobs, stopped, top_ids, top_logprobs = head_program(
+        sampled, logprobs, top_ids, top_logprobs = head_program(
             self.params, hidden, self._put(ints), self._put(floats), history, allowed
         )
         prompt = None
         if scoring is not None:
             prompt = self._score_prompts(*scoring, count)
-        sampled, logprobs, stopped = np.asarray(sampled), np.asarray(logprobs), np.asarray(stopped)
+        sampled, logprobs = np.asarray(sampled), np.asarray(logprobs)
         top = None
         if cache.ints[rows[:count], SAMPLING_TOP].any():  # only then is the result read
             top = np.asarray(top_ids)[:count], np.asarray(top_logprobs)[:count]
@@ -727,9 +727,7 @@ class Engine:
             self.decode_tokens += count
             self.decode_seconds += time.perf_counter() - entered
         top_ids, top_logprobs = top or (None, None)
-        return StepOutput(
-            sampled[:count], logprobs[:count], stopped[:count], top_ids, top_logprobs, prompt
-        )
+        return StepOutput(sampled[:count], logprobs[:count], top_ids, top_logprobs, prompt)
 
     def _prompt_targets(
         self,

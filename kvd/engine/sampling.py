@@ -105,13 +105,14 @@ def sampling_batch(rows: int, **fields: Any) -> SamplingBatch:
 
 def sample(
     logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...] = ()
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(tokens [S], logprobs of the chosen tokens [S], stopped [S], and the
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(tokens [S], logprobs of the chosen tokens [S], and the
     ``MAX_TOP_LOGPROBS`` most likely tokens [S, K] with their logprobs [S, K],
     zeros unless some row asked) from logits ``[V, S]``: vocabulary-major, as
     the head computes them fastest.
     ``end_ids``: the model's end tokens (EOS, end of turn), masked with a
-    row's stop ids until its ``min_end``.
+    row's stop ids until its ``min_end``. Whether a token ends its
+    generation is the scheduler's decision, not made here.
 
     Branches that no sequence of the batch needs (random draws when all are
     greedy, the whole-vocabulary draw when all truncate, logprobs no row
@@ -138,9 +139,8 @@ def sample(
         return ids.astype(jnp.int32), values - normaliser[:, None]
 
     logprobs = _for_rows_asking(params.want_logprobs, model_logits, chosen_logprobs)
-    stopped = jnp.any(tokens[:, None] == params.stop_ids, axis=-1)
     top_ids, top_logprobs = _for_rows_asking(params.top_count > 0, model_logits, alternatives)
-    return tokens, logprobs, stopped, top_ids, top_logprobs
+    return tokens, logprobs, top_ids, top_logprobs
 
 
 ROW_BUCKETS = (1, 4, 8)  # rows gathered apart when only a few ask

@@ -19,6 +19,7 @@ from kvd.sched.ratelimit import RateLimited
 from kvd.sched.requests import Rejection, Request
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.settings import SchedulerConfig
+from kvd.sched.stopping import StopCondition
 
 
 def prompt_problem(prompt: Sequence[int], vocab_size: int, max_model_len: int) -> Rejection | None:
@@ -81,6 +82,7 @@ class Admission:
         cache_salt: str | None = None,
         n: int = 1,
         constraint: Constraint | None = None,
+        stop: StopCondition | None = None,
     ) -> Request:
         """Queue a request, or raise Rejection (400/413/429/503) saying why.
 
@@ -91,7 +93,8 @@ class Admission:
         prompt is computed and held once, and each is charged only for the
         pages of its own. Seeded, choice i samples with seed + i (vLLM's
         rule, modulo 2**32). ``constraint``: the grammar every choice's output
-        follows (each gets its own copy). Returns the first choice's request."""
+        follows (each gets its own copy); ``stop``: the watch on its stop
+        strings (likewise). Returns the first choice's request."""
         config = self.book.tenants.get(tenant)
         if config is None:
             raise Rejection(401, "unknown_tenant", f"unknown tenant {tenant!r}")
@@ -164,6 +167,7 @@ class Admission:
                     else constraint.fork()
                     if choice
                     else constraint,
+                    stop=None if stop is None else stop.fork() if choice else stop,
                 )
             )
         lead = choices[0]
@@ -177,4 +181,6 @@ class Admission:
         for request in choices:
             queue.append(request)
             self.book.requests[request.request_id] = request
+            if stop is not None:
+                self.book.stopping.add(request)
         return lead

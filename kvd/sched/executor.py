@@ -64,15 +64,15 @@ class PromptScores(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    """Per sequence of a step: its sampled token, that token's logprob, whether a
-    stop id ended it; and, when some sequence asked for alternatives, the most
+    """Per sequence of a step: its sampled token and that token's logprob
+    (whether it ends the generation is the scheduler's to decide); and, when
+    some sequence asked for alternatives, the most
     likely tokens and their logprobs, best first (``[S, MAX_TOP_LOGPROBS]``);
     and, when a sequence asked for its prompt's own logprobs and computed
     some of its prompt, those (None for the others)."""
 
     tokens: Array
     logprobs: Array
-    stopped: Array
     top_ids: Array | None = None
     top_logprobs: Array | None = None
     prompt: list[PromptScores | None] | None = None

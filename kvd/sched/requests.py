@@ -12,7 +12,8 @@ import numpy as np
 
 from kvd.kv.sequence import Sequence
 from kvd.sched.constraint import Constraint
-from kvd.sched.sampling_params import SamplingParams
+from kvd.sched.sampling_params import MAX_STOP_IDS, SamplingParams
+from kvd.sched.stopping import StopCondition
 
 
 class Rejection(Exception):
@@ -67,6 +68,9 @@ class Request:
     forks: list[Request] = field(default_factory=list)  # the other choices, for the first
     # Structured output: the grammar the output follows (each choice its own copy).
     constraint: Constraint | None = None
+    # Stop strings: watched in the output as each token is recorded (each
+    # choice its own copy).
+    stop: StopCondition | None = None
     # The prompt's own logprobs, when asked (the first choice computes them):
     # by prompt position, as the steps computing the prompt give them, until
     # they go out with the first token.
@@ -197,9 +201,17 @@ class SlotInfo:
         self.stop_length = np.zeros(0, np.int64)  # the sequence ends at this length
         self.tenant = np.zeros(0, np.int64)  # index into Scheduler.tenant_names
         self.ignore_eos = np.zeros(0, np.bool_)  # the model's end tokens do not end it
+        # The request's own stop_token_ids, -1 padded: sampling one ends it.
+        self.stop_ids = np.full((0, MAX_STOP_IDS), -1, np.int64)
 
     def start(
-        self, slot: int, capacity: int, stop_length: int, tenant: int, ignore_eos: bool
+        self,
+        slot: int,
+        capacity: int,
+        stop_length: int,
+        tenant: int,
+        ignore_eos: bool,
+        stop_ids: tuple[int, ...] | list[int] = (),
     ) -> None:
         """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
         if len(self.stop_length) < capacity:
@@ -207,12 +219,14 @@ class SlotInfo:
         self.stop_length[slot] = stop_length
         self.tenant[slot] = tenant
         self.ignore_eos[slot] = ignore_eos
+        self.stop_ids[slot] = -1
+        self.stop_ids[slot, : len(stop_ids)] = stop_ids
 
     def _grow(self, capacity: int) -> None:
         old = len(self.stop_length)
-        columns = (("stop_length", 0), ("tenant", 0), ("ignore_eos", 0))
+        columns = (("stop_length", 0), ("tenant", 0), ("ignore_eos", 0), ("stop_ids", -1))
         for name, fill in columns:
             column = getattr(self, name)
-            grown = np.full(capacity, fill, column.dtype)
+            grown = np.full((capacity, *column.shape[1:]), fill, column.dtype)
             grown[:old] = column
             setattr(self, name, grown)

@@ -419,6 +419,7 @@ class Scheduler:
                 request.stop_length,
                 self.book.tenant_index[request.tenant],
                 request.params.ignore_eos,
+                request.params.stop_token_ids,
             )
         seq = request.seq
         hit = kv.lookup(seq, use_cache=not request.scores_prompt)

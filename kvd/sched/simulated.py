@@ -159,7 +159,6 @@ class SimulatedExecutor:
         self.steps += 1
         computed = before[COMPUTED].tolist()
         sampled = np.zeros(len(seqs), np.int64)
-        stopped = np.zeros(len(seqs), np.bool_)
         wanted: list[SamplingParams | None] = []
         prompt: list[PromptScores | None] | None = None
         for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
@@ -181,7 +180,6 @@ class SimulatedExecutor:
                 if masks is not None and not (masks[i] == -1).all():
                     token = masked_token(token, masks[i], self.limits.vocab_size, banned)
                 sampled[i] = token
-                stopped[i] = token in p.stop_token_ids
         self.device_seconds += time.perf_counter() - started
         top_ids = top_logprobs = None
         if any(p is not None and p.top_logprobs for p in wanted):
@@ -191,7 +189,7 @@ class SimulatedExecutor:
                 -0.5 - np.arange(MAX_TOP_LOGPROBS, dtype=np.float32), top_ids.shape
             )
         return StepOutput(
-            sampled, np.full(len(seqs), -0.5, np.float32), stopped, top_ids, top_logprobs, prompt
+            sampled, np.full(len(seqs), -0.5, np.float32), top_ids, top_logprobs, prompt
         )
 
     def _prompt_scores(self, seq: Sequence, start: int, end: int) -> PromptScores | None:

@@ -51,23 +51,26 @@ def outcome(
     before: Array,
     tokens: Array,
     logprobs: Array,
-    stopped: Array,
     is_stop: Array,
-    stop_length: Array,
-    ignore_eos: Array,
+    info: SlotInfo,
 ) -> Outcome:
     """``before``: the step's sequences' columns before it; ``is_stop`` by token
-    id (the model's end tokens); by slot, ``stop_length`` (the length at which
-    a sequence ends) and ``ignore_eos`` (end tokens do not end it)."""
+    id (the model's end tokens); ``info`` by slot: the length at which a
+    sequence ends, whether end tokens end it, and its own stop ids.
+
+    This is where a generation's end is decided for a token: the model's end
+    tokens, a request's stop ids and its length here, its stop strings and
+    its grammar's end by the recorder that follows."""
     length = before[LENGTH]
     sampled = before[COMPUTED] + np.asarray(counts) == length  # not a prefill chunk
     keep = None
     if not sampled.all():
         keep = np.flatnonzero(sampled)
         slots, length = slots[keep], length[keep]
-        tokens, logprobs, stopped = tokens[keep], logprobs[keep], stopped[keep]
-    by_stop = stopped | (is_stop[tokens] & ~ignore_eos[slots])
-    finished = by_stop | (length >= stop_length[slots] - 1)  # with this token
+        tokens, logprobs = tokens[keep], logprobs[keep]
+    own_stop = (info.stop_ids[slots] == tokens[:, None]).any(axis=1)
+    by_stop = own_stop | (is_stop[tokens] & ~info.ignore_eos[slots])
+    finished = by_stop | (length >= info.stop_length[slots] - 1)  # with this token
     return Outcome(keep, slots, length, tokens, logprobs, finished, by_stop)
 
 
@@ -111,10 +114,8 @@ class TokenRecorder:
             before,
             output.tokens,
             output.logprobs,
-            output.stopped,
             self.is_stop,
-            info.stop_length,
-            info.ignore_eos,
+            info,
         )
         requests = work.requests
         if output.prompt is not None:
@@ -133,6 +134,8 @@ class TokenRecorder:
         broken = (
             self._follow_constraints(requests, token_list, finished, by_stop) if constrained else {}
         )
+        if self.book.stopping:
+            self._watch_stop_strings(requests, token_list, finished, by_stop)
         ends = np.flatnonzero(finished).tolist()
         for i in ends:
             reasons[i] = "stop" if by_stop[i] else "length"
@@ -190,6 +193,18 @@ class TokenRecorder:
             elif constraint.finished():
                 finished[i] = by_stop[i] = True
         return broken
+
+    @staticmethod
+    def _watch_stop_strings(
+        requests: list[Request], tokens: list[int], finished: Array, by_stop: Array
+    ) -> None:
+        """Each request with stop strings follows its sampled token; one whose
+        output now holds a stop string ends with "stop" (with this token, as
+        a stop id would)."""
+        for i, request in enumerate(requests):
+            stop = request.stop
+            if stop is not None and stop.accept(tokens[i]):
+                finished[i] = by_stop[i] = True
 
     def _keep_prompt_scores(
         self, requests: list[Request], scores: list[PromptScores | None]

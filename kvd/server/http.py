@@ -35,6 +35,7 @@ from kvd.server.responses import Relay, engine_failed
 from kvd.server.runtime import Runtime
 from kvd.server.serving import ServerContext, TenantAccess
 from kvd.server.status import Status
+from kvd.server.stopstrings import StopStrings
 
 log = structlog.get_logger("kvd")
 
@@ -176,6 +177,14 @@ def _check_serving(context: ServerContext) -> Runtime:
     return context.runtime
 
 
+def _stop_strings(context: ServerContext, prepared: Prepared) -> StopStrings | None:
+    """The watch on the request's stop strings the scheduler keeps, if any."""
+    if not prepared.params.stop:
+        return None
+    assert context.tokenizer is not None  # serving: the model is loaded
+    return StopStrings(context.tokenizer, prepared.params.stop)
+
+
 def _model_card(context: ServerContext) -> dict[str, Any]:
     return {
         "id": context.model_name,
@@ -265,6 +274,7 @@ async def _infer(
                 arrival=arrival,
                 n=prepared.n,
                 constraint=prepared.constraint,
+                stop=_stop_strings(context, prepared),
             )
         except Rejection as exc:
             if exc.code == "rate_limited":

@@ -107,7 +107,6 @@ class Relay:
         # from the first token's event.
         self.prompt_scores: tuple[tuple[float, tuple[tuple[int, float], ...] | None], ...] = ()
         self.failure: str | None = None  # why it ended with an error
-        self.first_token_at: float | None = None
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.request_id
         self._closed = False
@@ -168,25 +167,14 @@ class Relay:
         if they end it."""
         if faults.fire("detokenize") == "raise":
             raise faults.InjectedFault("injected: detokenizing failed")
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
         if events[0].prompt is not None:
             self.prompt_scores = events[0].prompt
         last = events[-1]
         finish = last.finish_reason if last.finished else None
         text = choice.text
-        if text.has_stops:
-            # One at a time: the token that completes a stop string is the last.
-            parts = []
-            for taken, event in enumerate(events, 1):
-                parts.append(text.push(event.token))  # type: ignore[arg-type]
-                if text.stopped:  # a stop string: the rest is not wanted
-                    self._stop(choice)
-                    events, finish = events[:taken], "stop"
-                    break
-            delta = "".join(parts)
-        else:
-            delta = text.push_many([e.token for e in events])  # type: ignore[misc]
+        # Cut where a stop string starts; the scheduler ended the choice with
+        # the token that completed it (``kvd/server/stopstrings.py``).
+        delta = text.push_many([e.token for e in events])  # type: ignore[misc]
         choice.tokens.extend(e.token for e in events)  # type: ignore[misc]
         choice.logprobs.extend(e.logprob for e in events)
         if self.prepared.params.top_logprobs:
@@ -197,13 +185,6 @@ class Relay:
             if all(c.finish_reason is not None for c in self.choices):
                 self.finish_reason = self.choices[0].finish_reason
         return delta, len(events), finish
-
-    def _stop(self, choice: Choice) -> None:
-        """A stop string ended ``choice``: the engine stops computing it."""
-        if len(self.choices) == 1:
-            self.runtime.cancel(self.ticket)
-        else:
-            self.runtime.cancel_choice(self.ticket, choice.index)
 
     # -- bodies ----------------------------------------------------------------------
 
@@ -433,8 +414,8 @@ class Relay:
             completion_tokens=self.completion_tokens,
             cached_tokens=self.usage()["prompt_tokens_details"]["cached_tokens"],
             ttft_s=None
-            if self.first_token_at is None
-            else round(self.first_token_at - self.arrival, 4),
+            if self.ticket.first_token_at is None
+            else round(self.ticket.first_token_at - self.arrival, 4),
             duration_s=round(now - self.arrival, 4),
             **fields,
         )

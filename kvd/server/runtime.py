@@ -35,6 +35,7 @@ import trio
 from kvd.sched.constraint import Constraint
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Rejection, Request, Scheduler, SchedulerStats, StepEvent
+from kvd.sched.stopping import StopCondition
 
 log = structlog.get_logger("kvd")
 T = TypeVar("T")
@@ -68,7 +69,10 @@ class Ticket:
     send: trio.MemorySendChannel[StepEvent]
     events: trio.MemoryReceiveChannel[StepEvent]
     arrival: float
-    last_token_at: float | None = None  # when the engine handed over its last token
+    # When the step loop handed over its first and its latest token: the one
+    # measure of TTFT and inter-token gaps (metrics, the request's log line).
+    first_token_at: float | None = None
+    last_token_at: float | None = None
     accepted: trio.Event = field(default_factory=trio.Event)
     rejection: Rejection | None = None
     request: Request | None = None
@@ -149,6 +153,7 @@ class Runtime:
         arrival: float | None = None,
         n: int = 1,
         constraint: Constraint | None = None,
+        stop: StopCondition | None = None,
     ) -> Ticket:
         """Queue a request (``n`` choices, whose events share its ticket);
         returns its ticket once admitted to a queue, or raises Rejection (the
@@ -189,6 +194,7 @@ class Runtime:
                     deadline_s=deadline_s,
                     n=n,
                     constraint=constraint,
+                    stop=stop,
                 )
             except Rejection as exc:
                 ticket.rejection = exc
@@ -216,17 +222,6 @@ class Runtime:
             return
         self._end(ticket, None)
         self._post(lambda: self.scheduler.cancel(ticket.request_id))
-
-    def cancel_choice(self, ticket: Ticket, choice: int) -> None:
-        """Stop one choice of a request (a stop string ended it); the last
-        one's end ends the request."""
-        if ticket.finished or choice in ticket.ended:
-            return
-        ticket.ended.add(choice)
-        if len(ticket.ended) == ticket.choices:
-            self.cancel(ticket)
-            return
-        self._post(lambda: self.scheduler.cancel(ticket.request_id, choice))
 
     def _failed_rejection(self) -> Rejection:
         return Rejection(503, ENGINE_FAILED, failed_message(self.failure), retry_after=5.0)
@@ -383,6 +378,7 @@ class Runtime:
                 ticket.send.send_nowait(event)
                 last = ticket.last_token_at
                 if last is None:
+                    ticket.first_token_at = now
                     first.setdefault(ticket.tenant, []).append(now - ticket.arrival)
                 else:
                     gaps.setdefault(ticket.tenant, []).append(now - last)

@@ -18,20 +18,14 @@ class TextStream:
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""
-        self.stopped = False  # a stop string was found: generation should end
-
-    @property
-    def has_stops(self) -> bool:
-        return bool(self._stop)
+        self.stopped = False  # a stop string was found: nothing after it is sent
 
     def push(self, token: int) -> str:
         """Text that may be sent now (possibly empty)."""
         return self.push_many((token,))
 
     def push_many(self, tokens: tuple[int, ...] | list[int]) -> str:
-        """Text that may be sent now, after several tokens decoded at once.
-        With stop strings, push one token at a time instead: a stop found
-        here cannot say which of the tokens completed it."""
+        """Text that may be sent now, after several tokens decoded at once."""
         if self.stopped:
             return ""
         self._pending += self._decoder.push(tuple(tokens))

@@ -10,6 +10,7 @@ from kvd.engine.loader import random_model_with_tokenizer
 from kvd.engine.tokenizer import Tokenizer
 from kvd.sched.scheduler import StepEvent
 from kvd.server.runtime import waiting_batches
+from kvd.server.stopstrings import StopStrings
 from kvd.server.textstream import TextStream
 
 
@@ -50,3 +51,27 @@ def test_many_tokens_at_once_decode_as_one_at_a_time(tokenizer: Tokenizer) -> No
         many = TextStream(tokenizer)
         chunks = [many.push_many(ids[i : i + size]) for i in range(0, len(ids), size)]
         assert "".join(chunks) + many.flush() == singly == text
+
+
+@pytest.mark.parametrize("stop", [("naïve",), ("🙂",), ("\nnew", "zzz"), (" —",)])
+def test_stop_strings_end_at_the_token_completing_one(
+    tokenizer: Tokenizer, stop: tuple[str, ...]
+) -> None:
+    """The scheduler's watch (StopStrings) says stop at the token whose text
+    completes the first stop string, and the relay's text is what precedes it."""
+    text = "Les élèves 東京 naïve — emoji 🙂 and\nnew lines. "
+    ids = tokenizer.encode(text)[1:]  # without BOS
+    watch = StopStrings(tokenizer, stop)
+    fresh = watch.fork()
+    ended = next(i for i, token in enumerate(ids) if watch.accept(token))
+    first = min(text.find(s) for s in stop if s in text)
+    end = first + len(next(s for s in stop if text.find(s) == first))
+    assert len(tokenizer.decode(ids[:ended])) < end <= len(tokenizer.decode(ids[: ended + 1]))
+    stream = TextStream(tokenizer, stop)
+    assert stream.push_many(ids[: ended + 1]) + stream.flush() == text[:first]
+    assert not any(fresh.accept(token) for token in ids[:ended])  # a fork starts afresh
+
+
+def test_stop_strings_refuse_an_empty_one(tokenizer: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStrings(tokenizer, ("",))
