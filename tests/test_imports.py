@@ -144,3 +144,13 @@ def test_the_server_core_imports_no_jax() -> None:
         "sys.exit('jax' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_the_kv_manager_and_the_scheduler_are_composed_not_inherited() -> None:
+    """Each holds its parts as objects: no class of kvd's own in its MRO."""
+    from kvd.kv.manager import KVManager
+    from kvd.sched.scheduler import Scheduler
+
+    for cls in (KVManager, Scheduler):
+        inherited = [c.__qualname__ for c in cls.__mro__[1:] if c.__module__.startswith("kvd")]
+        assert not inherited, (cls.__name__, inherited)

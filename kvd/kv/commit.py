@@ -123,9 +123,11 @@ class Committer:
             self._slide(seqs[i], self.registry.first_needed_block(int(new[i])))
 
     def _slide(self, seq: Sequence, first_needed: int) -> None:
-        drop, tenant, edits = self.registry.pool.drop, seq.tenant, self.registry.table_edits
+        registry = self.registry
+        drop, tenant, edits = registry.pool.drop, seq.tenant, registry.table_edits
+        groups = registry.sliding_groups
         for block in range(first_needed - 1, seq.sliding_start - 1, -1):
-            for g in self.registry.sliding_groups:
+            for g in groups:
                 table = seq.tables[g]
                 page = table[block]
                 if page:
@@ -135,7 +137,7 @@ class Committer:
                         edits.append((seq.slot, g, block, NULL_PAGE))
         seq.sliding_start = first_needed
         if edits is None:
-            seq.table_version = self.registry.stamp()
+            seq.table_version = registry.stamp()
 
     def release(self, seq: Sequence) -> None:
         """Drop every page (preemption by recompute, or the end of a sequence).

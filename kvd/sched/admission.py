@@ -183,4 +183,6 @@ class Admission:
             self.book.requests[request.request_id] = request
             if stop is not None:
                 self.book.stopping.add(request)
+            if params.stop_token_ids:
+                self.book.with_stop_ids.add(request)
         return lead

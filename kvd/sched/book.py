@@ -42,6 +42,7 @@ class RequestBook:
         self.running_order = RunningOrder()
         self.swapped: dict[str, Request] = {}
         self.stopping: set[Request] = set()  # live requests with stop strings to watch
+        self.with_stop_ids: set[Request] = set()  # live requests with stop token ids
         self.serials = itertools.count()  # arrival order among equal clocks
         self.steps = 0
         self.preemptions = 0
@@ -107,6 +108,7 @@ class RequestBook:
         self.tenant_stats[request.tenant].finished += 1
         del self.requests[request.request_id]
         self.stopping.discard(request)
+        self.with_stop_ids.discard(request)
         lead = request.lead or request
         if lead.forks and all(r.phase is RequestPhase.FINISHED for r in (lead, *lead.forks)):
             del self.choices[lead.reply_id]

@@ -53,10 +53,12 @@ def outcome(
     logprobs: Array,
     is_stop: Array,
     info: SlotInfo,
+    stop_ids: bool = True,
 ) -> Outcome:
     """``before``: the step's sequences' columns before it; ``is_stop`` by token
     id (the model's end tokens); ``info`` by slot: the length at which a
-    sequence ends, whether end tokens end it, and its own stop ids.
+    sequence ends, whether end tokens end it, and its own stop ids
+    (``stop_ids``: whether any live request has some).
 
     This is where a generation's end is decided for a token: the model's end
     tokens, a request's stop ids and its length here, its stop strings and
@@ -68,8 +70,9 @@ def outcome(
         keep = np.flatnonzero(sampled)
         slots, length = slots[keep], length[keep]
         tokens, logprobs = tokens[keep], logprobs[keep]
-    own_stop = (info.stop_ids[slots] == tokens[:, None]).any(axis=1)
-    by_stop = own_stop | (is_stop[tokens] & ~info.ignore_eos[slots])
+    by_stop = is_stop[tokens] & ~info.ignore_eos[slots]
+    if stop_ids:
+        by_stop |= (info.stop_ids[slots] == tokens[:, None]).any(axis=1)
     finished = by_stop | (length >= info.stop_length[slots] - 1)  # with this token
     return Outcome(keep, slots, length, tokens, logprobs, finished, by_stop)
 
@@ -116,6 +119,7 @@ class TokenRecorder:
             output.logprobs,
             self.is_stop,
             info,
+            bool(self.book.with_stop_ids),
         )
         requests = work.requests
         if output.prompt is not None:

@@ -1,0 +1,67 @@
+"""The decode step updates the KV pool in place on this backend: its cost and
+memory must not follow the pool's size when one short sequence is live.
+
+Guards against a full-pool copy sneaking into the step (a scatter done out of
+place, a layout change of the pool view, donation that does not alias): the
+compiled body aliases the pool to its output, its scratch does not grow with
+the pool, and the pool's device buffer is the same one after steps."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from kvd.engine.config import ModelConfig  # noqa: E402
+from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvd.engine.loader import LoadedModel  # noqa: E402
+from kvd.engine.weights import random_params  # noqa: E402
+from kvd.kv.geometry import interleaved_kinds  # noqa: E402
+from kvd.oneshot.batch import BatchGenerator  # noqa: E402
+from kvd.sched.sampling_params import SamplingParams  # noqa: E402
+
+
+def _model() -> LoadedModel:
+    config = ModelConfig(
+        name="tiny-pool",
+        family="gemma3",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        layer_kinds=interleaved_kinds(4, 2),
+        sliding_window=12,
+        max_position=256,
+        query_pre_attn_scalar=16.0,
+    )
+    return LoadedModel(config, random_params(config, 3), None, "random", 0.0)  # type: ignore[arg-type]
+
+
+def _engine(model: LoadedModel, pool_tokens: int) -> Engine:
+    config = EngineConfig(
+        max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16, pool_tokens=pool_tokens
+    )
+    return Engine(model, config)
+
+
+def test_decode_body_aliases_the_pool_and_its_scratch_does_not_follow_the_pool() -> None:
+    model = _model()
+    small, large = _engine(model, 256), _engine(model, 16 * 256)
+    stats = []
+    for engine in (small, large):
+        program = engine._body_program(2, engine.block_buckets[-1])
+        memory = program.memory_analysis()
+        assert memory.alias_size_in_bytes >= engine.pool.nbytes  # the pool is the output
+        stats.append(memory.temp_size_in_bytes)
+    assert stats[0] == stats[1], f"scratch grows with the pool: {stats}"
+
+
+def test_steps_keep_the_pool_buffer() -> None:
+    engine = _engine(_model(), 1024)
+    before = engine.pool.unsafe_buffer_pointer()
+    BatchGenerator(engine).generate(
+        [[1, 5, 9, 13, 17]], [SamplingParams(temperature=0.0, max_tokens=6)]
+    )
+    assert engine.pool.unsafe_buffer_pointer() == before, "a step copied the pool"
