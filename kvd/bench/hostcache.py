@@ -147,7 +147,7 @@ def render(report: HostCacheReport) -> str:
         f"{report.documents} documents x {report.doc_tokens} tokens, {report.rounds} rounds",
         f"machine: {report.machine}",
         "",
-        "host cache         prompt tokens  cached  of them host  prefill computed  TTFT p50  "
+        "host cache        prompt tokens  cached  of them host  prefill computed  TTFT p50  "
         "TTFT mean",
     ]
     for run in (report.off, report.on):

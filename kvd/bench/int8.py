@@ -209,14 +209,14 @@ class _TeacherForced:
         config = self.loaded.config
         out = []
         for layer in range(config.num_layers):
-            group, slot = layout.group_of_layer(layer)
+            group, place = layout.group_of_layer(layer)
             kind = config.layer_kinds[layer]
             shape = (
                 layout.groups[group].places, 2, self.block_size,
                 config.kv_heads_of(kind), config.head_dim_of(kind),
             )  # fmt: skip
             pages = [p for p in tables[group] if p]
-            view = pool[pages].reshape(len(pages), *shape)[:, slot]  # [B, 2, L, K, H]
+            view = pool[pages].reshape(len(pages), *shape)[:, place]  # [B, 2, L, K, H]
             # Sliding groups released nothing here (one prefill), so blocks are whole.
             out.append(view.transpose(1, 0, 2, 3, 4).reshape(2, -1, *shape[3:])[:, :length])
         return out

@@ -1,6 +1,6 @@
 """``kvd bench kv``: host cost of the KV core, the part that runs every step.
 
-Per step, every running sequence appends one token (allocate a slot, commit
+Per step, every running sequence appends one token (allocate room for it, commit
 the K/V the engine would have written, record the sampled token); sequences
 that reach their length finish, and as many new ones arrive and are prefilled
 (prefix lookup against a shared public system prompt, allocation, commit).

@@ -129,7 +129,7 @@ def pool_layout(
     mesh: Mesh,
     scale_elements: int = 0,
 ) -> tuple[tuple[int, ...], NamedSharding]:
-    """The pool's array shape and sharding. A page holds ``[slots, 2, L, K, H]``
+    """The pool's array shape and sharding. A page holds ``[places, 2, L, K, H]``
     per layer group; when every group has the same (K, H) and the KV heads
     split evenly, the pool is stored ``[P, rest, K*H]`` and split on its last
     axis, so each device holds its own KV heads of every page (the K/V

@@ -8,7 +8,7 @@ geometry in the seed's 3.8 GiB pool (replay.py). *Live* bytes are the K/V a
 future query can still read (a sliding layer's tokens inside the window),
 shared pages counted once; *allocated* is every page live sequences hold, so
 the gap is partly filled last blocks, sliding blocks partly out of the
-window, and padded layer slots. The contiguous baselines hold the same
+window, and padded layer places. The contiguous baselines hold the same
 sequences unshared and unpaged, reserving either prompt + 2,000 tokens (a
 client's max_tokens cap, the seed's example) or the whole 32k context
 (windows reserve at most the window).

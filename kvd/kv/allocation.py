@@ -1,6 +1,6 @@
 """Growing a sequence: what an allocation would take (``demand``), whether it
 fits the idle pages and the tenant's budget, and taking the pages, with the
-fast paths a decode step uses (a slot in the last block; a new block for every
+fast paths a decode step uses (room in the last block; a new block for every
 decode at once when nobody competes)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvd.kv.sequence import Residency, Sequence
 
 class Allocator:
     """Changes: the pages sequences hold (``pool.take``/``touch``), their tables,
-    block counts, allocated counts and state from waiting to resident; the
+    block counts, allocated counts and residency from waiting to resident; the
     host cache's claims (a reload); the registry's prefix counters and the
     public prefixes' hit counts."""
 
@@ -77,7 +77,7 @@ class Allocator:
         return self.registry.fits(seq.tenant, demand)
 
     def extend_in_place(self, seq: Sequence, num_tokens: int) -> bool:
-        """The decode fast path: slots for ``num_tokens`` more tokens of a resident
+        """The decode fast path: room for ``num_tokens`` more tokens of a resident
         sequence when its last block has room (no page, no budget involved).
         False means the caller needs the full ``demand`` / ``allocate`` path."""
         new = seq.num_computed + num_tokens
@@ -223,11 +223,11 @@ class Allocator:
         slots: np.ndarray[Any, Any] | None = None,
         before: np.ndarray[Any, Any] | None = None,
     ) -> list[int]:
-        """Slots for one more token of every sequence that is one token from
+        """Room for one more token of every sequence that is one token from
         done (a decode), without the general allocation path; returns the
         indices of the sequences left for that path.
 
-        Decodes whose slot lies in a block they hold always get it. Decodes
+        Decodes whose token lands in a block they hold always get room. Decodes
         whose next token starts a new block get one each only if all the
         others are such decodes and the idle pages and every tenant's budget
         suffice for all of them: then nothing competes for the pages, and no

@@ -24,7 +24,7 @@ from kvd.kv.sequence import Residency, Sequence
 class Committer:
     """Changes: sequences' computed counts, sliding starts and tables as
     windows slide; pages dropped back to the pool; a released sequence's
-    state (back to waiting) and a finished one's removal from the registry."""
+    residency (back to waiting) and a finished one's removal from the registry."""
 
     def __init__(self, registry: SequenceRegistry, prefix: PrefixCache) -> None:
         self.registry = registry
@@ -96,7 +96,7 @@ class Committer:
         columns before the step are ``before`` (``columns.matrix[:, slots]``)."""
         computed = before[COMPUTED]
         new = computed + 1
-        # Resident (1), with a slot allocated for the token: the product is >= 1.
+        # Resident (1), with room allocated for the token: the product is >= 1.
         if int(((before[ALLOCATED] - computed) * before[RESIDENT]).min()) < 1 or len(
             set(slots.tolist())
         ) != len(seqs):

@@ -10,7 +10,7 @@ its own scope.
 
 Accounting (pages of the pool's page size, on the host):
 - one host budget, ``total``, shared with swapped-out sequences
-  (``kvd.sched.swapspace``): swap holds live state and comes first, the
+  (``kvd.sched.swapspace``): swap holds live sequences' K/V and comes first, the
   host cache fills what swap leaves and gives blocks back (least recently used
   first) when swap needs them;
 - each block is charged to one account: the tenant whose private page it

@@ -1,4 +1,5 @@
-"""The KV state of one request: its tokens and where their K/V live."""
+"""One request's sequence in the KV manager: its tokens and where their K/V
+live (its residency)."""
 
 from __future__ import annotations
 

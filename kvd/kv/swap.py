@@ -12,7 +12,7 @@ from kvd.kv.sequence import Residency, Sequence
 
 
 class Swapper:
-    """Changes: a swapping sequence's state, tables, ``swapped_blocks`` and
+    """Changes: a swapping sequence's residency, tables, ``swapped_blocks`` and
     ``kept``; pages dropped to the pool and taken back from it."""
 
     def __init__(self, registry: SequenceRegistry, prefix: PrefixCache) -> None:

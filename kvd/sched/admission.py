@@ -100,6 +100,12 @@ class Admission:
             raise Rejection(401, "unknown_tenant", f"unknown tenant {tenant!r}")
         if n < 1:
             raise Rejection(400, "bad_n", "n must be at least 1")
+        if params.stop and stop is None:
+            # The scheduler cannot decode: stop strings it was not given a
+            # watch for would be silently ignored.
+            raise Rejection(
+                400, "unwatched_stop", "stop strings need a StopCondition to watch them"
+            )
         if request_id in self.book.requests or request_id in self.book.choices:
             raise Rejection(400, "duplicate_id", f"request {request_id!r} already exists")
         limit = self.limits.max_model_len

@@ -1,5 +1,5 @@
 """The scheduler's shared record: tenants with their settings, limiters,
-queues and counts; the live requests by state; and the logs the daemon reads.
+queues and counts; the live requests by phase; and the logs the daemon reads.
 
 The scheduler's parts (``admission.py``, ``preemption.py``, ``tokens.py``)
 each hold this one record and say, in their docstrings, which of its fields

@@ -56,7 +56,7 @@ class Preemption:
     """Growing a request's sequence (evicting per policy when it must), and
     preempting and swapping back in.
 
-    Changes: requests' state between running, waiting and swapped (the
+    Changes: requests' phase between running, waiting and swapped (the
     ``running``, ``swapped`` and ``queues`` tables), their host pages, the
     swap space, the preemption counts and log, and failed copies."""
 

@@ -25,7 +25,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings: the scheduler ends at one (StopCondition)
+    # Stop strings: submitted with the StopCondition that watches them (the
+    # scheduler ends the generation when it reports one).
+    stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0  # the most likely alternatives' logprobs, per token
     # vLLM's extensions: EOS (and the model's other end tokens) do not end the

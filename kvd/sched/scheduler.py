@@ -338,7 +338,7 @@ class Scheduler:
     def _schedule_prefills(self, plan: StepPlan, prefilling: list[Request], now: float) -> None:
         """Prefill work by tenant: tier, then fair share, within the step's room."""
         # Per tenant: running prefills, then swapped-out sequences, each with the
-        # state it was listed in (a victim of this step's evictions is skipped).
+        # phase it was listed in (a victim of this step's evictions is skipped).
         own: dict[str, list[tuple[Request, RequestPhase]]] = {}
         for request in prefilling:
             own.setdefault(request.tenant, []).append((request, RequestPhase.RUNNING))

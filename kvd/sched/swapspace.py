@@ -33,7 +33,7 @@ class SwapSpace:
 
     def take(self, tenant: str, pages: int) -> None:
         if self.host_cache is not None and self.host_cache.enabled:
-            self.host_cache.make_room(pages)  # cached blocks give way to live state
+            self.host_cache.make_room(pages)  # cached blocks give way to live sequences
         self.used[tenant] = self.used.get(tenant, 0) + pages
         self.held += pages
         self._publish()

@@ -139,7 +139,7 @@ class TokenRecorder:
             self._follow_constraints(requests, token_list, finished, by_stop) if constrained else {}
         )
         if self.book.stopping:
-            self._watch_stop_strings(requests, token_list, finished, by_stop)
+            broken |= self._watch_stop_strings(requests, token_list, finished, by_stop)
         ends = np.flatnonzero(finished).tolist()
         for i in ends:
             reasons[i] = "stop" if by_stop[i] else "length"
@@ -201,14 +201,25 @@ class TokenRecorder:
     @staticmethod
     def _watch_stop_strings(
         requests: list[Request], tokens: list[int], finished: Array, by_stop: Array
-    ) -> None:
+    ) -> dict[int, str]:
         """Each request with stop strings follows its sampled token; one whose
         output now holds a stop string ends with "stop" (with this token, as
-        a stop id would)."""
+        a stop id would). Returns why, by index, for those whose watch
+        failed (their text could not be decoded): they fail alone."""
+        broken: dict[int, str] = {}
         for i, request in enumerate(requests):
             stop = request.stop
-            if stop is not None and stop.accept(tokens[i]):
+            if stop is None:
+                continue
+            try:
+                ended = stop.accept(tokens[i])
+            except Exception as exc:  # noqa: BLE001  # this request's own fault: it alone ends
+                broken[i] = f"watching its stop strings failed: {type(exc).__name__}: {exc}"
+                finished[i] = True
+                continue
+            if ended:
                 finished[i] = by_stop[i] = True
+        return broken
 
     def _keep_prompt_scores(
         self, requests: list[Request], scores: list[PromptScores | None]

@@ -459,7 +459,7 @@ class Daemon:
             kv.flush_cache()  # subscribers start from an empty cache (and are told so)
             self.kv_events.attach(kv.enable_events(self.config.kv_events.private_blocks))
             runtime.after_change = self.kv_events.offer
-        nursery.start_soon(self._run_engine, runtime)
+        nursery.start_soon(self._run_step_loop, runtime)
         self.status.ready()
         tenants = {
             t.name: {"reservation_pages": t.reservation_pages, "cap_pages": t.cap_pages}
@@ -474,7 +474,7 @@ class Daemon:
         )
         systemd.notify("READY=1", "STATUS=serving")
 
-    async def _run_engine(self, runtime: Runtime) -> None:
+    async def _run_step_loop(self, runtime: Runtime) -> None:
         await runtime.run()  # returns only if the engine failed
         assert runtime.failure is not None
         await self._fail(runtime.failure)

@@ -80,7 +80,7 @@ class Ticket:
     finish_reason: str | None = None  # None once closed: cancelled by its handler
     detail: str | None = None  # why it failed, for its client
     choices: int = 1  # n: the channel closes once every choice has ended
-    ended: set[int] = field(default_factory=set)  # choices over (finished, or cancelled)
+    ended: set[int] = field(default_factory=set)  # choices that have ended
 
 
 @dataclass
@@ -373,7 +373,7 @@ class Runtime:
         for event in events:
             ticket = live.get(event.request_id)
             if ticket is None or event.choice in ticket.ended:
-                continue  # its client is gone, or it cancelled the choice: the cancel is queued
+                continue  # its client is gone, or the choice has ended
             if event.token is not None:
                 ticket.send.send_nowait(event)
                 last = ticket.last_token_at

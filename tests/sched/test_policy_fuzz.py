@@ -31,19 +31,27 @@ TIERS = ("interactive", "batch")
 DRAIN_STEPS = 3000
 
 
+CHECKED_RECLAIMS = [0]  # over the whole fuzz: the check below must have run
+
+
 class CheckedScheduler(Scheduler):
     """Checks, at each preemption made to reclaim another tenant's surplus,
     that the victim's tenant keeps at least its reservation."""
 
     reclaiming_for: str | None = None
-    checked_reclaims = 0
 
-    def _preempt(self, request: Any, plan: Any, **kwargs: Any) -> None:
-        super()._preempt(request, plan, **kwargs)
-        if self.reclaiming_for is not None and request.tenant != self.reclaiming_for:
-            account = self.kv.ledger.accounts[request.tenant]
-            assert account.used >= account.reservation, (request.tenant, account)
-            self.checked_reclaims += 1
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        preempt = self.preemption.preempt
+
+        def checked(request: Any, plan: Any, **options: Any) -> None:
+            preempt(request, plan, **options)
+            if self.reclaiming_for is not None and request.tenant != self.reclaiming_for:
+                account = self.kv.ledger.accounts[request.tenant]
+                assert account.used >= account.reservation, (request.tenant, account)
+                CHECKED_RECLAIMS[0] += 1
+
+        self.preemption.preempt = checked  # type: ignore[method-assign]
 
 
 class PolicyMachine(RuleBasedStateMachine):
@@ -372,6 +380,7 @@ def test_policy_fuzz(monkeypatch: Any) -> None:
         suppress_health_check=[HealthCheck.too_slow],
     )
     case().runTest()
+    assert CHECKED_RECLAIMS[0] > 0, "no preemption reclaimed surplus: the check never ran"
 
 
 def test_a_sequence_swapped_out_in_the_step_that_reloaded_its_blocks() -> None:

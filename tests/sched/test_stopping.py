@@ -5,8 +5,9 @@ token: a request's stop ids, and its stop strings through a StopCondition
 from __future__ import annotations
 
 import msgspec
+import pytest
 
-from kvd.sched.requests import RequestPhase
+from kvd.sched.requests import Rejection, RequestPhase
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, StepEvent, TenantConfig
 from tests.sched.simulated import Clock, greedy, make_executor
@@ -117,3 +118,43 @@ def test_a_requests_stop_ids_end_it_in_the_scheduler() -> None:
     events = output_of(params)
     assert [e.token for e in events] == free[: first + 1]
     assert events[-1].finish_reason == "stop"
+
+
+class Breaks:
+    """A watch whose decoding fails at its third token."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def accept(self, token: int) -> bool:
+        self.seen += 1
+        if self.seen == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "not text")
+        return False
+
+    def fork(self) -> Breaks:
+        return Breaks()
+
+
+def test_a_watch_that_fails_fails_its_request_alone() -> None:
+    scheduler = make()
+    scheduler.submit("broken", "t", PROMPT, greedy(10), stop=Breaks())
+    scheduler.submit("other", "t", [4, *PROMPT], greedy(10))
+    events = run(scheduler)
+    broken = [e for e in events if e.request_id == "broken"]
+    assert [e.token for e in broken[:2]] == [e.token for e in output_of(greedy(2))]
+    assert broken[-1].token is None and broken[-1].finish_reason == "error"
+    assert "watching its stop strings failed: UnicodeDecodeError" in (broken[-1].detail or "")
+    assert len(broken) == 3  # two tokens, then the failure in place of the third
+    other = [e for e in events if e.request_id == "other"]
+    assert len(other) == 10 and other[-1].finish_reason == "length"
+    assert scheduler.fault_log[-1][0] == "broken"
+
+
+def test_stop_strings_without_a_watch_are_refused() -> None:
+    scheduler = make()
+    params = msgspec.structs.replace(greedy(5), stop=("x",))
+    with pytest.raises(Rejection, match="StopCondition") as refused:
+        scheduler.submit("r", "t", PROMPT, params)
+    assert refused.value.status == 400
+    assert not scheduler.has_work()

@@ -1,0 +1,1 @@
+"""The engine's Pallas TPU kernels (see README.md here)."""
