@@ -8,6 +8,7 @@ recovers from come at random too: a running sequence whose inputs fail a step
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import hypothesis.strategies as st
@@ -31,9 +32,6 @@ TIERS = ("interactive", "batch")
 DRAIN_STEPS = 3000
 
 
-CHECKED_RECLAIMS = [0]  # over the whole fuzz: the check below must have run
-
-
 class CheckedScheduler(Scheduler):
     """Checks, at each preemption made to reclaim another tenant's surplus,
     that the victim's tenant keeps at least its reservation."""
@@ -49,8 +47,8 @@ class CheckedScheduler(Scheduler):
             if self.reclaiming_for is not None and request.tenant != self.reclaiming_for:
                 account = self.kv.ledger.accounts[request.tenant]
                 assert account.used >= account.reservation, (request.tenant, account)
-                CHECKED_RECLAIMS[0] += 1
 
+        checked.reclaim_check = True  # type: ignore[attr-defined]
         self.preemption.preempt = checked  # type: ignore[method-assign]
 
 
@@ -380,7 +378,14 @@ def test_policy_fuzz(monkeypatch: Any) -> None:
         suppress_health_check=[HealthCheck.too_slow],
     )
     case().runTest()
-    assert CHECKED_RECLAIMS[0] > 0, "no preemption reclaimed surplus: the check never ran"
+
+
+def test_the_reclaim_check_wraps_the_preemptions_the_scheduler_makes() -> None:
+    """Growth preempts through ``scheduler.preemption.preempt``: the fuzz's
+    check must be what that name holds, or it would never run."""
+    scheduler = CheckedScheduler(make_executor(pages=48))
+    assert getattr(scheduler.preemption.preempt, "reclaim_check", False)
+    assert "self.preempt(" in inspect.getsource(type(scheduler.preemption).grow)
 
 
 def test_a_sequence_swapped_out_in_the_step_that_reloaded_its_blocks() -> None:
