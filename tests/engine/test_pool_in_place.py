@@ -12,31 +12,14 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from kvd.engine.config import ModelConfig  # noqa: E402
 from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
-from kvd.engine.loader import LoadedModel  # noqa: E402
-from kvd.engine.weights import random_params  # noqa: E402
-from kvd.kv.geometry import interleaved_kinds  # noqa: E402
+from kvd.engine.loader import LoadedModel, random_model  # noqa: E402
 from kvd.oneshot.batch import BatchGenerator  # noqa: E402
 from kvd.sched.sampling_params import SamplingParams  # noqa: E402
 
 
 def _model() -> LoadedModel:
-    config = ModelConfig(
-        name="tiny-pool",
-        family="gemma3",
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        layer_kinds=interleaved_kinds(4, 2),
-        sliding_window=12,
-        max_position=256,
-        query_pre_attn_scalar=16.0,
-    )
-    return LoadedModel(config, random_params(config, 3), None, "random", 0.0)  # type: ignore[arg-type]
+    return random_model(vocab_size=96, sliding_window=12, seed=3)
 
 
 def _engine(model: LoadedModel, pool_tokens: int) -> Engine:
