@@ -342,10 +342,10 @@ class Engine:
         # Shapes: the body compiles per (tokens, block-table width); the head and
         # sampling per number of sequences, so a lone decode pays for one row of
         # logits, not for the widest batch.
-        # (XLA:CPU runs a 1-token decoder step ~7x slower than a 2-token one: no
-        # bucket of 1. A lone decode in the 2-token bucket: 22 ms for the 270M,
-        # 24.5 ms in a 4-token one.)
-        self.token_buckets = powers_of_two(2, max(2, cfg.max_num_batched_tokens))
+        # A lone decode runs in a bucket of one token. (It once ran in one of
+        # two: a one-token step was several times slower, because XLA copied
+        # the whole pool to write one token's K/V; see model._write_kv.)
+        self.token_buckets = powers_of_two(1, max(2, cfg.max_num_batched_tokens))
         every_shape = (self.token_buckets[-1], model.config.hidden_size)
         self._every_hidden = jnp.zeros(every_shape, activation_dtype(self.params))
         if self.mesh is not None:

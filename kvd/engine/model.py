@@ -189,8 +189,8 @@ def _attention_block(
     # The last axis is head_dim, or head_dim + the scale's bytes in an int8 pool.
     view = pool.reshape(num_pages, places, 2, spec.block_size, n_kv, -1)
     pages, offsets = batch.write_pages[place.group], batch.write_offsets
-    view = view.at[pages, place.in_page, 0, offsets].set(to_pool(k, view.dtype, view.shape[-1]))
-    view = view.at[pages, place.in_page, 1, offsets].set(to_pool(v, view.dtype, view.shape[-1]))
+    k_rows, v_rows = (to_pool(x, view.dtype, view.shape[-1]) for x in (k, v))
+    view = _write_kv(view, pages, place.in_page, offsets, k_rows, v_rows)
     tables, ring = batch.tables[place.group], None
     if spec.sliding_ring:
         if len(ropes) == 1:  # ``kind`` is this layer's: the ring is the table
@@ -214,6 +214,25 @@ def _attention_block(
     if turn is not None:
         out = out @ turn_  # its own inverse
     return dense(out.reshape(num_tokens, -1), p["o"]), view.reshape(pool.shape)
+
+
+def _write_kv(
+    view: jax.Array,
+    pages: jax.Array,
+    in_page: Any,
+    offsets: jax.Array,
+    k_rows: jax.Array,
+    v_rows: jax.Array,
+) -> jax.Array:
+    """``view`` (the pool as ``[P, places, 2, L, K, H']``) with each token's K
+    and V written at ``[page, in_page, 0 or 1, offset]``: one scatter of both.
+    Two one-row scatters would not do for a lone token: XLA rewrites each into
+    an update it does not do in place, copying the whole pool once per step
+    (48 MB for a small bench pool; the daemon's is a gigabyte)."""
+    halves = jnp.arange(2, dtype=jnp.int32)[:, None]
+    return view.at[pages[None, :], in_page, halves, offsets[None, :]].set(
+        jnp.stack([k_rows, v_rows])
+    )
 
 
 def _rope_for(

@@ -54,7 +54,7 @@ def tokenizer() -> Tokenizer:
 
 
 def token_buckets(limit: int) -> tuple[int, ...]:
-    buckets, size = [], 2
+    buckets, size = [], 1
     while size < limit:
         buckets.append(size)
         size *= 2
