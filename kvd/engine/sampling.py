@@ -121,7 +121,7 @@ def sample(
     """
     model_logits = logits
     logits = adjusted_logits(logits, params, end_ids)
-    greedy = jnp.argmax(logits, axis=0).astype(jnp.int32)
+    greedy = first_argmax(logits)
     tokens = jax.lax.cond(
         jnp.all(params.temperature == 0.0),
         lambda: greedy,
@@ -141,6 +141,18 @@ def sample(
     logprobs = _for_rows_asking(params.want_logprobs, model_logits, chosen_logprobs)
     top_ids, top_logprobs = _for_rows_asking(params.top_count > 0, model_logits, alternatives)
     return tokens, logprobs, top_ids, top_logprobs
+
+
+def first_argmax(values: jax.Array) -> jax.Array:
+    """``argmax(values, axis=0)`` (int32; the first of equal maxima) as two
+    plain reductions: the largest value, then the smallest index holding it.
+    XLA:CPU runs argmax's paired (value, index) reduce element by element:
+    1.1 ms per decode step for the 270M's 262,144 logits, one op on one
+    thread, against well under 0.1 ms for these two. An index no value
+    matches (a NaN maximum) is the last token's, so it stays in range."""
+    best = jnp.max(values, axis=0)
+    ids = jax.lax.broadcasted_iota(jnp.int32, values.shape, 0)
+    return jnp.min(jnp.where(values == best, ids, values.shape[0] - 1), axis=0)
 
 
 ROW_BUCKETS = (1, 4, 8)  # rows gathered apart when only a few ask
@@ -293,7 +305,7 @@ def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
 
     def whole_vocabulary() -> jax.Array:  # Gumbel-max over all V tokens
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys)  # [S, V]
-        return jnp.argmax(scaled + gumbel.T, axis=0).astype(jnp.int32)
+        return first_argmax(scaled + gumbel.T)
 
     def truncated() -> jax.Array:
         tokens, exact = _among_candidates(scaled, params, keys)

@@ -407,3 +407,21 @@ def test_a_grammars_bitmask_allows_only_its_tokens() -> None:
         drawn = np.asarray(draw(jnp.asarray(logits), batch)[0])
         for r in (0, 2, 3):
             assert int(drawn[r]) in set(allowed[r].tolist()), (seed, r, int(drawn[r]))
+
+
+def test_first_argmax_is_argmax_with_ties_and_masks() -> None:
+    """The two-reduction argmax picks what ``argmax`` picks: the first of
+    equal maxima, a column all masked to -inf included; a NaN column gives
+    an in-range index."""
+    from kvd.engine.sampling import first_argmax
+
+    rng = np.random.default_rng(7)
+    values = rng.integers(-3, 4, (1000, 9)).astype(np.float32)  # many ties
+    values[:, 3] = -np.inf
+    values[:, 4] = rng.standard_normal(1000)
+    values[[10, 900], 5] = 50.0  # two equal maxima: the first wins
+    picked = np.asarray(jax.jit(first_argmax)(jnp.asarray(values)))
+    np.testing.assert_array_equal(picked, np.argmax(values, axis=0))
+    assert picked[5] == 10
+    values[17, 6] = np.nan
+    assert 0 <= int(jax.jit(first_argmax)(jnp.asarray(values))[6]) < 1000
