@@ -22,6 +22,7 @@ from kvd.engine.sampling import (
     SamplingBatch,
     adjusted_logits,
     exact_keep,
+    first_argmax,
     sample,
     sampling_batch,
 )
@@ -413,8 +414,6 @@ def test_first_argmax_is_argmax_with_ties_and_masks() -> None:
     """The two-reduction argmax picks what ``argmax`` picks: the first of
     equal maxima, a column all masked to -inf included; a NaN column gives
     an in-range index."""
-    from kvd.engine.sampling import first_argmax
-
     rng = np.random.default_rng(7)
     values = rng.integers(-3, 4, (1000, 9)).astype(np.float32)  # many ties
     values[:, 3] = -np.inf
