@@ -126,12 +126,22 @@ def paged_attention(
     window = NO_WINDOW if window is None else window
     positions = jnp.asarray(positions, jnp.int32)
     seq_index = jnp.asarray(seq_index, jnp.int32)
-    singles, multis, offset = _tile(seq_index, positions, num_rows, num_tokens > LONE_ONLY)
     block_size = view.shape[3]
     attend_tiles = _tile_attention(
         q, view, place, tables, ring, window, scale=scale, softcap=softcap
     )
-    out_single = attend_tiles(singles, 1, SINGLE_ITEMS, max(1, KEY_CHUNK // block_size))
+    lone_chunk_pages = max(1, KEY_CHUNK // block_size)
+    if num_tokens <= LONE_ONLY:
+        # Every token is a tile of its own, in place: padding is a tile that
+        # sees nothing (its output is zero), so there is nothing to compact
+        # and nothing to gather back. Decode steps are all of this kind, and
+        # a small step's time goes largely to such small ops.
+        index = jnp.arange(num_tokens, dtype=jnp.int32)
+        length = (positions >= 0).astype(jnp.int32)
+        tiles = _Tiles(index, length, seq_index, positions, index)
+        return attend_tiles(tiles, 1, SINGLE_ITEMS, lone_chunk_pages)[:, 0]
+    singles, multis, offset = _tile(seq_index, positions, num_rows)
+    out_single = attend_tiles(singles, 1, SINGLE_ITEMS, lone_chunk_pages)
     out_multi = attend_tiles(  # [m, QUERY_TILE, N, H]
         multis, QUERY_TILE, TILE_ITEMS, max(1, TILE_KEY_CHUNK // block_size)
     )
@@ -146,11 +156,10 @@ def paged_attention(
 
 
 def _tile(
-    seq_index: jax.Array, positions: jax.Array, num_rows: int, runs: bool
+    seq_index: jax.Array, positions: jax.Array, num_rows: int
 ) -> tuple[_Tiles, _Tiles, jax.Array]:
     """Split a step's tokens into tiles: (tiles of a lone token, tiles of up to
-    QUERY_TILE tokens of a longer run, each token's offset in its run). Without
-    ``runs``, every token is a lone one."""
+    QUERY_TILE tokens of a longer run, each token's offset in its run)."""
     num_tokens = seq_index.shape[0]
     index = jnp.arange(num_tokens, dtype=jnp.int32)
     valid = positions >= 0
@@ -161,12 +170,12 @@ def _tile(
     offset = index - first_of_run
     run_id = jnp.cumsum(run_start) - 1
     run_length = jnp.zeros(num_tokens, jnp.int32).at[run_id].add(1)[run_id]
-    single = valid & ((run_length == 1) | (not runs))
+    single = valid & (run_length == 1)
     multi = valid & ~single
     # Capacities: a lone token per sequence row; a longer run adds at most one
     # partial tile to its full ones.
-    lone_capacity = min(num_tokens, num_rows) if runs else num_tokens
-    tile_capacity = -(-num_tokens // QUERY_TILE) + min(num_rows, num_tokens // 2) if runs else 0
+    lone_capacity = min(num_tokens, num_rows)
+    tile_capacity = -(-num_tokens // QUERY_TILE) + min(num_rows, num_tokens // 2)
     singles = _tiles_of(single, single, index, seq_index, positions, lone_capacity)
     tile_start = multi & (offset % QUERY_TILE == 0)
     multis = _tiles_of(multi, tile_start, index, seq_index, positions, tile_capacity)

@@ -54,7 +54,9 @@ from kvd.engine.model import (
     StepBatch,
     activation_dtype,
     body,
+    final_norm,
     head_vocab_major,
+    normed_logits,
     prepare_params,
 )
 from kvd.engine.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
@@ -99,7 +101,8 @@ def run_body(
     width: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decoder stack over a packed StepBatch; returns the hidden states of
-    the rows to sample, ``[S_max, D]``, the step's hidden states of every
+    the rows to sample through the final norm (``model.final_norm``), ``[S_max,
+    D]``, the step's hidden states of every
     token written over the first rows of ``every`` (a donated ``[T_max, D]``
     buffer: one shape for every bucket, so the prompt-scoring program that
     reads it compiles once; rows past the step's hold stale values, never
@@ -108,7 +111,7 @@ def run_body(
     batch = StepBatch(*unpack(flat, batch_shapes(tokens, max_seqs, width, groups)))
     hidden, pool = body(spec, params, pool, batch)
     every = jax.lax.dynamic_update_slice(every, hidden.astype(every.dtype), (0, 0))
-    return hidden[batch.sample_index], every, pool
+    return final_norm(spec, params, hidden[batch.sample_index]), every, pool
 
 
 SCORE_ROWS = 16  # prompt positions whose logits ([V, 16]) are computed at a time
@@ -179,7 +182,8 @@ def head_and_sample(
     *,
     seqs: int,
 ) -> tuple[jax.Array, ...]:
-    """Logits and sampling for the first S rows, from packed sampling arrays
+    """Logits and sampling for the first S rows (``run_body``'s, already through
+    the final norm), from packed sampling arrays
     (one ``SequenceRows`` sampling row per sequence), the token histories
     ``[S, H]`` (read only when a row has a penalty) and the structured-output
     token bitmasks ``[S, W]`` (applied only when a row is not all ones)."""
@@ -205,7 +209,7 @@ def head_and_sample(
         history=history,
         allowed=allowed,
     )
-    return sample(head_vocab_major(spec, params, rows[:seqs]), sampling, end_ids)
+    return sample(normed_logits(spec, params, rows[:seqs]), sampling, end_ids)
 
 
 def enable_compilation_cache() -> None:

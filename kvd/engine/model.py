@@ -330,7 +330,22 @@ def head(spec: EngineSpec, params: Params, rows: jax.Array) -> jax.Array:
 
 
 def head_vocab_major(spec: EngineSpec, params: Params, rows: jax.Array) -> jax.Array:
-    """Logits ``[V, S]`` (f32), vocabulary-major.
+    """Logits ``[V, S]`` (f32), vocabulary-major, for hidden states ``rows``."""
+    return normed_logits(spec, params, final_norm(spec, params, rows))
+
+
+def final_norm(spec: EngineSpec, params: Params, rows: jax.Array) -> jax.Array:
+    """The hidden states the output projection multiplies: normed by the
+    final norm. Computed where the rows are made (the decoder step), not in
+    the head: XLA fuses the norm's multiplies into the output projection's
+    product and redoes them for every vocabulary row (the 270M's head at one
+    row: 5.6 ms against 4.2 with the row normed beforehand, on this machine)."""
+    return rms_norm(rows, params["final_norm"], spec.config.rms_eps)
+
+
+def normed_logits(spec: EngineSpec, params: Params, normed: jax.Array) -> jax.Array:
+    """Logits ``[V, S]`` (f32), vocabulary-major, for rows already through
+    ``final_norm``.
 
     The sampler reduces over the vocabulary along the leading axis: XLA:CPU
     then lays the head (the largest GEMM of a decode step, 262,144 by 640 for
@@ -338,8 +353,7 @@ def head_vocab_major(spec: EngineSpec, params: Params, rows: jax.Array) -> jax.A
     20% at one than reducing along the last axis of ``[S, V]``.
     """
     cfg = spec.config
-    last = rms_norm(rows, params["final_norm"], cfg.rms_eps)
-    logits = vocab_major_logits(params["embed"], last).astype(jnp.float32)
+    logits = vocab_major_logits(params["embed"], normed).astype(jnp.float32)
     if cfg.final_logit_softcap is not None:
         cap = cfg.final_logit_softcap
         logits = jnp.tanh(logits / cap) * cap

@@ -50,3 +50,13 @@ def test_steps_keep_the_pool_buffer() -> None:
         [[1, 5, 9, 13, 17]], [SamplingParams(temperature=0.0, max_tokens=6)]
     )
     assert engine.pool.unsafe_buffer_pointer() == before, "a step copied the pool"
+
+
+def test_the_head_multiplies_rows_the_decoder_step_already_normed() -> None:
+    """The final norm runs in the decoder step: in the head, XLA fuses it into
+    the output projection's product and redoes it for every vocabulary row."""
+    engine = _engine(_model(), 256)
+    body = engine._body_program(1, engine.block_buckets[-1]).as_text()
+    head = engine._head_program(1).as_text()
+    assert "rsqrt" in body
+    assert "rsqrt" not in head
