@@ -230,6 +230,9 @@ def test_long_contexts_span_many_loop_iterations() -> None:
     runs = [(600, 1), (333, 1), (1, 1), (450, 70)]
     check(runs, window=None, kv_heads=1)
     check(runs, window=100, kv_heads=1)
+    # A lone decode deep into its context: one tile, its items over several iterations.
+    check([(600, 1)], window=None, kv_heads=1)
+    check([(600, 1)], window=100, softcap=5.0)
 
 
 @settings(max_examples=6, deadline=None)
