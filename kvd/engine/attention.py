@@ -134,8 +134,7 @@ def paged_attention(
     if num_tokens <= LONE_ONLY:
         # Every token is a tile of its own, in place: padding is a tile that
         # sees nothing (its output is zero), so there is nothing to compact
-        # and nothing to gather back. Decode steps are all of this kind, and
-        # a small step's time goes largely to such small ops.
+        # and nothing to gather back. Decode steps are all of this kind.
         index = jnp.arange(num_tokens, dtype=jnp.int32)
         length = (positions >= 0).astype(jnp.int32)
         tiles = _Tiles(index, length, seq_index, positions, index)
