@@ -137,7 +137,7 @@ def check_config(path: str) -> None:
     default="auto",
     show_default=True,
     help="int8: keep the matrices at their stored precision (a GGUF's blocks, exactly); "
-    "auto: int8 where that is exact.",
+    "auto: int8 on the CPU where that is exact, float weights on an accelerator.",
 )
 @click.option(
     "--tensor-parallel",
@@ -275,9 +275,19 @@ def bench_decode(
 @click.option("--prefill", default="512", show_default=True, help="Prompt lengths to prefill.")
 @click.option("--new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="The float weights' dtype, and both formats' compute dtype (bfloat16 on an accelerator).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_weights(batches: str, prefill: str, new_tokens: int, rounds: int, as_json: bool) -> None:
-    """The embedded model with f32 against int8 weights: speed, bytes, greedy agreement."""
+def bench_weights(
+    batches: str, prefill: str, new_tokens: int, rounds: int, dtype: str, as_json: bool
+) -> None:
+    """The embedded model with float (f32 or bf16) against int8 weights: speed, bytes,
+    greedy agreement."""
     from kvd.bench.weights import render, run_weights_bench
 
     report = run_weights_bench(
@@ -286,6 +296,7 @@ def bench_weights(batches: str, prefill: str, new_tokens: int, rounds: int, as_j
         new_tokens,
         rounds,
         lambda t: click.echo(t, err=True),
+        dtype,
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 

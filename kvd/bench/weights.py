@@ -1,12 +1,14 @@
-"""``kvd bench weights``: the embedded model with f32 weights next to int8
-weights (its GGUF blocks kept, ``kvd.engine.wquant``), in one process, rounds
-interleaved (this machine's speed drifts by up to 2x within minutes).
+"""``kvd bench weights``: the embedded model with float weights (f32, or bf16
+as an accelerator would hold them) next to int8 weights (its GGUF blocks kept,
+``kvd.engine.wquant``, dequantised to the same compute dtype inside each
+step), in one process, rounds interleaved (this machine's speed drifts by up
+to 2x within minutes).
 
 Reported per format: the weights' bytes, decode tokens/s at each batch size
 (aggregate, decode steps alone), prefill tokens/s at each prompt length, and
-for int8 against f32: greedy agreement on varied prompts (code, several
+for int8 against the float weights: greedy agreement on varied prompts (code, several
 languages, prompts past the sliding window), with each divergence's top-2
-logit gap in the f32 run (a divergence at a near tie is summation order),
+logit gap in the float run (a divergence at a near tie is summation order),
 and programs compiled after warm-up.
 """
 
@@ -53,6 +55,7 @@ PROMPTS = (
     _STORY * 8 + "The keeper's name was",
     "Summarise the following.\n\n" + _STORY * 10 + "\nSummary:",
 )
+_SHORT = {"float32": "f32", "bfloat16": "bf16"}
 NEAR_TIE = 0.05  # a top-2 logit gap below this: a divergence summation order may explain
 
 
@@ -68,12 +71,13 @@ class FormatFigures(msgspec.Struct, frozen=True):
 class Divergence(msgspec.Struct, frozen=True):
     prompt: int
     position: int  # generated token index of the first difference
-    f32_top2_gap: float  # f32's logit gap between its best two tokens there
+    float_top2_gap: float  # the float weights' logit gap between their best two tokens there
 
 
 class WeightsReport(msgspec.Struct, frozen=True):
     machine: str
     model: str
+    dtype: str  # compute dtype, and the float weights' dtype
     rounds: int
     new_tokens: int
     formats: list[FormatFigures]
@@ -101,6 +105,7 @@ def run_weights_bench(
     new_tokens: int = 32,
     rounds: int = 2,
     say: Callable[[str], None] = lambda _text: None,
+    dtype: str = "float32",
 ) -> WeightsReport:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, load_model
@@ -115,12 +120,13 @@ def run_weights_bench(
     longest = max(max(prefill), 1024) + new_tokens + 16
     for quantization in formats:
         say(f"loading {EMBEDDED_MODEL} ({quantization})")
-        model = load_model(EMBEDDED_MODEL, "float32", quantization)
+        model = load_model(EMBEDDED_MODEL, dtype, quantization)
         tokenizer = model.tokenizer
         sizes[quantization] = model.weight_bytes
         engine = Engine(
             model,
             EngineConfig(
+                dtype=dtype,
                 max_model_len=longest,
                 max_num_seqs=max(max(batches), len(PROMPTS)),
                 max_num_batched_tokens=512,
@@ -178,8 +184,9 @@ def run_weights_bench(
         for q in formats
     ]
     return WeightsReport(
-        machine_description(),
+        _machine(),
         EMBEDDED_MODEL,
+        dtype,
         rounds,
         new_tokens,
         figures,
@@ -189,40 +196,54 @@ def run_weights_bench(
     )
 
 
+def _machine() -> str:
+    """The host, and the accelerator the engines ran on where there is one."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return f"{machine_description()}, jax {jax.__version__} on the CPU"
+    return (
+        f"{machine_description()}, jax {jax.__version__} on {jax.device_count()} x "
+        f"{device.device_kind} ({device.platform})"
+    )
+
+
 def render(report: WeightsReport) -> str:
-    f32, int8 = report.formats
+    floats, int8 = report.formats
+    name = _SHORT.get(report.dtype, report.dtype)
     lines = [
-        f"kvd bench weights: {report.model}, f32 against int8 weights, {report.rounds} "
-        f"interleaved rounds (best of each)",
+        f"kvd bench weights: {report.model}, {name} against int8 weights (computing in "
+        f"{name}), {report.rounds} interleaved rounds (best of each)",
         f"machine: {report.machine}",
         "",
-        f"{'':<22} {'f32':>10} {'int8':>10} {'int8/f32':>9}",
-        f"{'weight MiB':<22} {f32.weight_bytes / 2**20:>10.0f} {int8.weight_bytes / 2**20:>10.0f} "
-        f"{int8.weight_bytes / f32.weight_bytes:>8.2f}x",
+        f"{'':<22} {name:>10} {'int8':>10} {'int8/' + name:>9}",
+        f"{'weight MiB':<22} {floats.weight_bytes / 2**20:>10.0f} "
+        f"{int8.weight_bytes / 2**20:>10.0f} {int8.weight_bytes / floats.weight_bytes:>8.2f}x",
     ]
-    for batch, rate in f32.decode_tokens_per_s.items():
+    for batch, rate in floats.decode_tokens_per_s.items():
         theirs = int8.decode_tokens_per_s[batch]
         lines.append(
             f"{'decode tok/s, batch ' + batch:<22} {rate:>10.1f} {theirs:>10.1f} "
             f"{theirs / rate:>8.2f}x"
         )
-    for length, rate in f32.prefill_tokens_per_s.items():
+    for length, rate in floats.prefill_tokens_per_s.items():
         theirs = int8.prefill_tokens_per_s[length]
         lines.append(
             f"{'prefill tok/s, ' + length:<22} {rate:>10.0f} {theirs:>10.0f} {theirs / rate:>8.2f}x"
         )
     lines.append(
-        f"{'warm-up s':<22} {f32.warm_up_s:>10.1f} {int8.warm_up_s:>10.1f}"
-        f"   late compiles: {f32.late_compiles}, {int8.late_compiles}"
+        f"{'warm-up s':<22} {floats.warm_up_s:>10.1f} {int8.warm_up_s:>10.1f}"
+        f"   late compiles: {floats.late_compiles}, {int8.late_compiles}"
     )
     lines.append("")
     lines.append(
         f"greedy, {report.new_tokens} tokens: {report.equal} of {report.prompts} prompts equal"
     )
     for d in report.divergences:
-        tie = "near tie" if d.f32_top2_gap < report.near_tie else "NOT a near tie"
+        tie = "near tie" if d.float_top2_gap < report.near_tie else "NOT a near tie"
         lines.append(
-            f"  prompt {d.prompt}: first differs at token {d.position}, f32 top-2 gap "
-            f"{d.f32_top2_gap:.4f} ({tie})"
+            f"  prompt {d.prompt}: first differs at token {d.position}, {name} top-2 gap "
+            f"{d.float_top2_gap:.4f} ({tie})"
         )
     return "\n".join(lines)

@@ -209,7 +209,7 @@ def load_model(model: str, dtype: str = "float32", quantization: str = "none") -
                 name = EMBEDDED_MODEL if model == EMBEDDED_MODEL else path.stem
                 config = config_from_gguf(gguf, name)
                 tokenizer = _gguf_tokenizer(gguf, path)
-                quantization = gguf_quantization(gguf, quantization)
+                quantization = gguf_quantization(gguf, quantization, _backend())
                 params = params_from_gguf(config, gguf, np_dtype, quantization, errors)
         else:
             quantization = "none" if quantization == "auto" else quantization  # not exact there
@@ -230,6 +230,13 @@ def load_model(model: str, dtype: str = "float32", quantization: str = "none") -
         quantization,
         max(errors.values(), default=0.0),
     )
+
+
+def _backend() -> str:
+    """JAX's default backend ("cpu", "gpu", "tpu"), which the engine runs on."""
+    import jax
+
+    return jax.default_backend()
 
 
 def _gguf_tokenizer(gguf: GGUFFile, path: Path) -> Tokenizer:

@@ -19,6 +19,7 @@ measures the whole model:
   than f32. There the matrix is dequantised one vocabulary chunk at a time
   into a small scratch (2,048 rows: 5 MB) and multiplied: 1.4x to 1.9x f32's
   speed at 2 to 8 rows, 0.87x at 32; its f32 form (0.67 GB) is never made.
+  On an accelerator it is one product at every row count (``_fuses_any_rows``).
 """
 
 from __future__ import annotations
@@ -88,12 +89,22 @@ def _rows(weight: QuantWeight, index: Any) -> QuantWeight:
     return QuantWeight(weight.values[index], weight.scale[index], offset)
 
 
+def _fuses_any_rows() -> bool:
+    """Whether the output projection is one product at any row count. XLA:CPU
+    turns the fused form into a slow loop past one row, hence the chunks
+    there. On an accelerator the chunks' sequential loop of small products is
+    the slow part: on an H200 (bf16 compute, ``kvd bench weights --dtype
+    bfloat16``) int8 decode went from 0.63x to 0.88x bf16 weights' speed at
+    batch 8 and from 0.72x to 0.94x at batch 32 with the head as one product."""
+    return jax.default_backend() != "cpu"
+
+
 def vocab_major_logits(embed: Any, last: jax.Array) -> jax.Array:
     """``embed @ last.T``: logits ``[V, S]`` for hidden states ``last [S, D]``
     from the tied embedding ``[V, D]`` (the output projection)."""
     if not isinstance(embed, QuantWeight):
         return (last @ embed.T).T
-    if last.shape[0] <= FUSED_ROWS:
+    if last.shape[0] <= FUSED_ROWS or _fuses_any_rows():
         return (last @ dequantized(embed, last.dtype).T).T
     vocab = embed.values.shape[0]
     chunks = vocab // HEAD_CHUNK

@@ -64,7 +64,8 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dtype: str = "float32"
     # "int8": matrices kept at their stored precision (a GGUF's blocks, exactly)
     # and dequantised inside each step; "none": loaded as dtype; "auto": int8
-    # where that is exact (a GGUF stored in block formats, the embedded model).
+    # on the CPU where that is exact (a GGUF stored in block formats, the
+    # embedded model), the float load on an accelerator (faster there).
     quantization: str = "auto"
     kv_dtype: str | None = None
     max_model_len: int = 4096

@@ -16,8 +16,14 @@ import pytest
 
 from kvd.engine import qdense, wquant
 from kvd.engine.engine import Engine, EngineConfig
-from kvd.engine.loader import LoadedModel, load_model, random_model
-from kvd.engine.weights import WeightsError, load_hf_directory, quantised_params
+from kvd.engine.gguf import GGUFFile
+from kvd.engine.loader import LoadedModel, embedded_gguf_path, load_model, random_model
+from kvd.engine.weights import (
+    WeightsError,
+    gguf_quantization,
+    load_hf_directory,
+    quantised_params,
+)
 from kvd.engine.wquant import QuantWeight, dequantize
 from kvd.oneshot.batch import BatchGenerator
 from kvd.sched.sampling_params import SamplingParams
@@ -163,6 +169,36 @@ def test_products_equal_the_dequantised_f32_products(rows: int, monkeypatch: Any
         jax.device_put(embed), tokens, jnp.float32
     )
     np.testing.assert_array_equal(bits(rows_out), bits(dequantize(embed)[np.asarray(tokens)]))
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_past_one_row_the_head_is_chunked_on_the_cpu_and_one_product_elsewhere(
+    accelerator: bool, monkeypatch: Any
+) -> None:
+    """XLA:CPU needs the output projection in vocabulary chunks past one row;
+    on an accelerator their sequential loop is the slow part, so the head is
+    one product there: no loop in the program, the same logits."""
+    monkeypatch.setattr(qdense, "HEAD_CHUNK", 48)
+    monkeypatch.setattr(qdense, "_fuses_any_rows", lambda: accelerator)
+    rng = np.random.default_rng(3)
+    embed = jax.device_put(wquant.quantize_absmax(rng.standard_normal((200, 64), np.float32)))
+    last = rng.standard_normal((5, 64)).astype(np.float32)
+
+    def head(embed: Any, last: jax.Array) -> jax.Array:  # new per case: JAX caches traces
+        return qdense.vocab_major_logits(embed, last)
+
+    program = str(jax.make_jaxpr(head)(embed, jnp.asarray(last)))
+    assert ("scan" in program) is not accelerator
+    logits = jax.jit(head)(embed, jnp.asarray(last))
+    np.testing.assert_allclose(logits, dequantize(embed) @ last.T, rtol=2e-5, atol=2e-5)
+
+
+def test_auto_is_int8_on_the_cpu_and_the_float_load_on_an_accelerator() -> None:
+    with GGUFFile(embedded_gguf_path()) as file:
+        assert gguf_quantization(file, "auto", "cpu") == "int8"
+        for backend in ("gpu", "tpu"):
+            assert gguf_quantization(file, "auto", backend) == "none"
+            assert gguf_quantization(file, "int8", backend) == "int8"  # still a choice
 
 
 def _engine(model: LoadedModel) -> Engine:
