@@ -27,8 +27,9 @@ QUANTISED_TYPES = frozenset({Q8_0, Q5_0, Q4_K, Q6_K})
 _QK_K = 256  # values in a K-quant super-block
 HF_BLOCK = 32  # float checkpoints: values per absmax scale (llama.cpp's Q8_0 block)
 
-# "auto": int8 where it is exact (a GGUF whose matrices are all stored in
-# block formats, like the embedded 270M), else the float load.
+# "auto": int8 on the CPU where it is exact (a GGUF whose matrices are all
+# stored in block formats, like the embedded 270M), else the float load
+# (always on an accelerator: kvd.engine.weights.gguf_quantization).
 QUANTIZATIONS = ("auto", "none", "int8")
 
 
