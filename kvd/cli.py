@@ -13,6 +13,11 @@ import msgspec
 from kvd.clikit import FiniteFloat, fail, run
 from kvd.sched.sampling_params import MAX_TEMPERATURE, MIN_TEMPERATURE
 
+# The weights' dtypes and formats every command that loads a model offers
+# (as kvd.engine.loader and kvd.engine.wquant.QUANTIZATIONS take them).
+WEIGHT_DTYPES = click.Choice(["float32", "bfloat16"])
+QUANTIZATIONS = click.Choice(["auto", "none", "int8"])
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvd")
@@ -126,14 +131,14 @@ def check_config(path: str) -> None:
 @click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), help="Reproducible sampling.")
 @click.option(
     "--dtype",
-    type=click.Choice(["float32", "bfloat16"]),
+    type=WEIGHT_DTYPES,
     default="float32",
     show_default=True,
     help="Weights and compute dtype.",
 )
 @click.option(
     "--quantization",
-    type=click.Choice(["auto", "none", "int8"]),
+    type=QUANTIZATIONS,
     default="auto",
     show_default=True,
     help="int8: keep the matrices at their stored precision (a GGUF's blocks, exactly); "
@@ -241,8 +246,8 @@ def bench_kv(steps: int, running: str, model: str, block_size: int, as_json: boo
 @click.option("--batches", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--prompt-len", type=click.IntRange(min=2), default=128, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
-@click.option("--quantization", type=click.Choice(["auto", "none", "int8"]), default="auto")
+@click.option("--dtype", type=WEIGHT_DTYPES, default="float32")
+@click.option("--quantization", type=QUANTIZATIONS, default="auto")
 @click.option("--no-baseline", is_flag=True, help="Skip the transformers baseline.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(
@@ -277,7 +282,7 @@ def bench_decode(
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option(
     "--dtype",
-    type=click.Choice(["float32", "bfloat16"]),
+    type=WEIGHT_DTYPES,
     default="float32",
     show_default=True,
     help="The float weights' dtype, and both formats' compute dtype (bfloat16 on an accelerator).",
@@ -319,7 +324,7 @@ def bench_sampling(batch: int, vocabulary: int, as_json: bool) -> None:
 )
 @click.option("--decode-batches", default="1,8", show_default=True)
 @click.option("--new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
+@click.option("--dtype", type=WEIGHT_DTYPES, default="float32")
 @click.option("--no-baseline", is_flag=True, help="Skip the transformers baseline.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_prefill(
