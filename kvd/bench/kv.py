@@ -58,6 +58,18 @@ def machine_description() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+def device_description() -> str:
+    """The device JAX computes on, e.g. "CPU (JAX 0.10.2, 1 device(s))" or
+    "GPU NVIDIA H200 (JAX ..., 1 device(s))"."""
+    import jax
+
+    device = jax.devices()[0]
+    platform_name = device.platform.upper()
+    kind = str(getattr(device, "device_kind", ""))
+    name = platform_name if kind.lower() in ("", device.platform) else f"{platform_name} {kind}"
+    return f"{name} (JAX {jax.__version__}, {jax.device_count()} device(s))"
+
+
 _SYSTEM_PROMPT = list(range(1000, 1096))  # 96 tokens: 6 full blocks, registered public
 _TENANTS = ("alice", "bob", "carol", "dave")
 

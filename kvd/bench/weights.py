@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvd.bench.kv import machine_description
+from kvd.bench.kv import device_description, machine_description
 
 _STORY = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting each "
@@ -184,7 +184,7 @@ def run_weights_bench(
         for q in formats
     ]
     return WeightsReport(
-        _machine(),
+        f"{machine_description()}, on {device_description()}",
         EMBEDDED_MODEL,
         dtype,
         rounds,
@@ -193,19 +193,6 @@ def run_weights_bench(
         len(PROMPTS),
         len(PROMPTS) - len(divergences),
         divergences,
-    )
-
-
-def _machine() -> str:
-    """The host, and the accelerator the engines ran on where there is one."""
-    import jax
-
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return f"{machine_description()}, jax {jax.__version__} on the CPU"
-    return (
-        f"{machine_description()}, jax {jax.__version__} on {jax.device_count()} x "
-        f"{device.device_kind} ({device.platform})"
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from kvd.bench.kv import device_description
 from kvd.experiments.results import ExperimentResult, Say, new_result, pyplot, save_plot, timed
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
@@ -120,17 +121,6 @@ class _Runner:
             pages_restored=restored,
             tokens_agree=after_swap == after_recompute,
         )
-
-
-def device_description() -> str:
-    """The device JAX computes on, e.g. "CPU (JAX 0.10.2)" or "TPU v5 lite (JAX ...)"."""
-    import jax
-
-    device = jax.devices()[0]
-    platform = device.platform.upper()
-    kind = str(getattr(device, "device_kind", ""))
-    name = platform if kind.lower() in ("", device.platform) else f"{platform} {kind}"
-    return f"{name} (JAX {jax.__version__}, {jax.device_count()} device(s))"
 
 
 def run(out: Path, quick: bool, say: Say) -> ExperimentResult:
