@@ -1,12 +1,14 @@
 """What one sampling call costs at a real vocabulary, by path: greedy,
-temperature alone (Gumbel-max over the vocabulary), top-k/top-p cut among the
+temperature alone (kvd/engine/sampling.py's rejection sampler over blocks), top-k/top-p cut among the
 candidates, and cut over the whole vocabulary by bisection (all rows, or one
 row of the batch); and what one row's logit biases, min_tokens mask, min_p,
 penalties (over a 4,096-token history) or top logprobs cost a batch whose
 other rows ask for none. Times are the best of a few calls, after compiling;
 a one-row case is timed alternately with the batch it is compared with (the
 same logits, no row asking), so a drift of the machine's speed between them
-does not show as a cost."""
+does not show as a cost. Greedy is also timed in turn with a pass that only
+reads the same logits (``jnp.max``: the floor of any choice), and
+temperature alone with greedy."""
 
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ class SamplingReport(msgspec.Struct, frozen=True):
     batch: int
     vocabulary: int
     cases: list[SamplingCase]
+    # A pass that only reads the same logits (``jnp.max``), and the median
+    # ratios of calls made in turn: greedy to it, temperature alone to greedy.
+    read_ms: float = 0.0
+    greedy_to_read: float = 0.0
+    temperature_to_greedy: float = 0.0
 
 
 def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 7) -> SamplingReport:
@@ -141,6 +148,17 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 7) -> Samplin
     paired: dict[str, float] = {}
     for name, base_name in compared.items():
         timed[name], paired[name] = _alternately(step, inputs[base_name], inputs[name], repeats)
+    read = jax.jit(lambda logits: jnp.max(logits, axis=0))
+    peaked_logits = inputs["greedy"][0]
+    jax.block_until_ready(read(peaked_logits))
+    triples = [
+        (
+            _call(read, (peaked_logits,)),
+            _call(step, inputs["greedy"]),
+            _call(step, inputs["temperature alone"]),
+        )
+        for _ in range(4 * repeats)
+    ]
     base = timed["temperature alone"]
     return SamplingReport(
         batch,
@@ -155,6 +173,9 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 7) -> Samplin
             )
             for name in cases
         ],
+        read_ms=round(1000 * min(r for r, _, _ in triples), 2),
+        greedy_to_read=round(statistics.median(g / r for r, g, _ in triples), 2),
+        temperature_to_greedy=round(statistics.median(t / g for _, g, t in triples), 2),
     )
 
 
@@ -182,7 +203,12 @@ def _alternately(
 
 def render(report: SamplingReport) -> str:
     width = max(len(c.name) for c in report.cases)
-    lines = [f"sampling: batch {report.batch}, vocabulary {report.vocabulary:,}"]
+    lines = [
+        f"sampling: batch {report.batch}, vocabulary {report.vocabulary:,}",
+        f"  a pass that only reads the logits (jnp.max): {report.read_ms:.2f} ms; timed in turn,"
+        f" greedy {report.greedy_to_read:.2f}x it, temperature alone"
+        f" {report.temperature_to_greedy:.2f}x greedy",
+    ]
     for c in report.cases:
         line = (
             f"  {c.name:<{width}}  {c.ms:8.1f} ms  {c.ratio_to_temperature:5.2f}x temperature alone"

@@ -15,12 +15,14 @@ import pytest
 
 from kvd.engine.sampling import (
     BEYOND_ROWS,
+    CANDIDATE_BLOCKS,
     CANDIDATES,
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     MAX_TOP_LOGPROBS,
     SamplingBatch,
     adjusted_logits,
+    block_size,
     exact_keep,
     first_argmax,
     sample,
@@ -411,9 +413,9 @@ def test_a_grammars_bitmask_allows_only_its_tokens() -> None:
 
 
 def test_first_argmax_is_argmax_with_ties_and_masks() -> None:
-    """The two-reduction argmax picks what ``argmax`` picks: the first of
-    equal maxima, a column all masked to -inf included; a NaN column gives
-    an in-range index."""
+    """The blockwise argmax picks what ``argmax`` picks: the first of equal
+    maxima, a column all masked to -inf included; a NaN column gives an
+    in-range index."""
     rng = np.random.default_rng(7)
     values = rng.integers(-3, 4, (1000, 9)).astype(np.float32)  # many ties
     values[:, 3] = -np.inf
@@ -424,3 +426,135 @@ def test_first_argmax_is_argmax_with_ties_and_masks() -> None:
     assert picked[5] == 10
     values[17, 6] = np.nan
     assert 0 <= int(jax.jit(first_argmax)(jnp.asarray(values))[6]) < 1000
+
+
+def test_first_argmax_finds_ties_across_blocks() -> None:
+    """Equal maxima in different blocks: the first block's wins, and within
+    it the first entry."""
+    vocab = 64 * block_size(1 << 16)
+    values = np.zeros((vocab, 3), np.float32)
+    values[[70_000 % vocab, 5_000, 5_001], 0] = 9.0
+    values[vocab - 1, 1] = 1.0
+    values[[3, 2], 2] = 4.0
+    picked = np.asarray(jax.jit(first_argmax)(jnp.asarray(values)))
+    np.testing.assert_array_equal(picked, np.argmax(values, axis=0))
+
+
+def _chi_square_ok(tokens: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
+    """(statistic, bound): Pearson's chi-square of ``tokens`` against
+    ``probs``, over bins of tokens (likeliest first) that each expect at least
+    20 draws, and its 1-in-10,000 quantile (Wilson-Hilferty)."""
+    draws = len(tokens)
+    counts = np.bincount(tokens, minlength=len(probs))
+    bins_seen, bins_expected = [], []
+    seen = expected = 0.0
+    for t in np.argsort(-probs, kind="stable"):
+        seen += counts[t]
+        expected += probs[t] * draws
+        if expected >= 20:
+            bins_seen.append(seen)
+            bins_expected.append(expected)
+            seen = expected = 0.0
+    bins_seen[-1] += seen
+    bins_expected[-1] += expected
+    observed, wanted = np.asarray(bins_seen), np.asarray(bins_expected)
+    statistic = float(((observed - wanted) ** 2 / wanted).sum())
+    k = len(wanted) - 1
+    z = 3.72  # the normal's 1-in-10,000 upper quantile
+    bound = k * (1 - 2 / (9 * k) + z * np.sqrt(2 / (9 * k))) ** 3
+    return statistic, float(bound)
+
+
+DRAW_VOCAB = 16 * 1024  # blocks enough that the candidates leave most of them out
+
+
+_SAMPLE = jax.jit(sample)  # one program for the draws below (their shapes are one)
+
+
+def _softmax_draws(
+    row: np.ndarray, temperature: float, min_p: float, calls: int = 24, rows: int = 512
+) -> np.ndarray:
+    """Tokens drawn for ``row`` of logits, ``calls`` x ``rows`` times: each
+    a different seed and position."""
+    logits = jnp.asarray(np.repeat(row[:, None], rows, axis=1))
+    step = _SAMPLE
+    drawn = []
+    for call in range(calls):
+        batch = sampling_batch(
+            rows,
+            temperature=jnp.full(rows, temperature, jnp.float32),
+            min_p=jnp.full(rows, min_p, jnp.float32),
+            seeds=jnp.full(rows, call, jnp.uint32),
+            positions=jnp.arange(rows, dtype=jnp.int32),
+        )
+        drawn.append(np.asarray(step(logits, batch)[0]))
+    return np.concatenate(drawn)
+
+
+def _draw_rows(kind: str) -> np.ndarray:
+    rng = np.random.default_rng(17)
+    if kind == "peaked":  # a few tokens hold most of the mass, the rest a share
+        row = rng.normal(0, 1, DRAW_VOCAB)
+        row[rng.choice(DRAW_VOCAB, 12, replace=False)] += rng.uniform(5, 9, 12)
+    elif kind == "flat":  # the mass spread over every block: many proposals refused
+        row = rng.normal(0, 1, DRAW_VOCAB)
+    else:  # "spiky": more heavy blocks than candidates
+        row = rng.normal(0, 0.5, DRAW_VOCAB)
+        row[rng.choice(DRAW_VOCAB, 4 * CANDIDATE_BLOCKS, replace=False)] += 6
+    return row.astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("kind", "temperature", "min_p"),
+    [("peaked", 1.0, 0.0), ("flat", 1.0, 0.0), ("spiky", 0.7, 0.0), ("peaked", 1.3, 0.01)],
+)
+def test_temperature_draws_follow_the_softmax(kind: str, temperature: float, min_p: float) -> None:
+    """Temperature draws (the rejection sampler over blocks) against the
+    exact softmax of the logits over the temperature, min_p's cut applied:
+    a chi-square over 12,288 draws. It fails a sampler that drops the tail,
+    the proposals' bounds, or min_p (tested: a draw from the candidates
+    alone fails every case)."""
+    row = _draw_rows(kind)
+    scaled = row.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs[probs < min_p] = 0.0
+    probs /= probs.sum()
+    tokens = _softmax_draws(row, temperature, min_p)
+    assert probs[tokens].min() > 0  # nothing min_p drops
+    statistic, bound = _chi_square_ok(tokens, probs)
+    assert statistic < bound, (statistic, bound)
+
+
+def test_draws_refused_too_often_end_on_exact_masses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no second proposal allowed, rows whose first is refused take
+    their draw from every block's exact mass: the distribution stays the
+    softmax's."""
+    import kvd.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "MAX_PROPOSALS", 1)
+    row = _draw_rows("flat")
+    probs = np.exp(row.astype(np.float64) - row.max())
+    probs /= probs.sum()
+    statistic, bound = _chi_square_ok(_softmax_draws(row, 1.0, 0.0, calls=16), probs)
+    assert statistic < bound, (statistic, bound)
+
+
+def test_a_rows_draw_is_its_own_whatever_the_batch() -> None:
+    """A temperature row draws the same token alone as beside other rows,
+    whether those are greedy or drawing (and whether they are refused)."""
+    rows = [_draw_rows(kind) for kind in ("flat", "peaked", "spiky", "flat")]
+    logits = jnp.asarray(np.stack(rows, axis=1))
+    batch = sampling_batch(
+        4,
+        temperature=jnp.asarray([1.0, 0.0, 0.7, 1.0], jnp.float32),
+        seeds=jnp.asarray([3, 4, 5, 6], jnp.uint32),
+        positions=jnp.asarray([10, 11, 12, 13], jnp.int32),
+    )
+    together = np.asarray(jax.jit(sample)(logits, batch)[0])
+    for i in range(4):
+        alone_batch = SamplingBatch(
+            *(None if field is None else field[i : i + 1] for field in batch)
+        )
+        alone = np.asarray(jax.jit(sample)(logits[:, i : i + 1], alone_batch)[0])
+        assert int(alone[0]) == int(together[i]), i
+    assert int(together[1]) == int(np.argmax(rows[1]))
