@@ -405,6 +405,10 @@ def bench_host_cache(
     help="The daemon's context (4096 is the dev config's).",
 )  # fmt: skip
 @click.option("--pool", default="512MiB", show_default=True, help="The daemon's pool size.")
+@click.option(
+    "--temperature", type=click.FloatRange(min=0.0, max=MAX_TEMPERATURE), default=0.0,
+    show_default=True, help="Every request's (0: greedy).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_http(
     model: str,
@@ -415,6 +419,7 @@ def bench_http(
     system_prompt_rules: int,
     max_model_len: int,
     pool: str,
+    temperature: float,
     as_json: bool,
 ) -> None:
     """Load a real daemon over loopback HTTP; compare with the in-process scheduler."""
@@ -430,6 +435,7 @@ def bench_http(
         system_prompt_rules,
         max_model_len,
         pool,
+        temperature,
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 

@@ -36,6 +36,7 @@ class LoadReport(msgspec.Struct, frozen=True):
     clients: int
     duration_s: float
     max_tokens: int
+    temperature: float
     requests: int
     errors_5xx: int
     errors_other: int
@@ -118,7 +119,13 @@ class _Stats:
 
 
 async def _client(
-    url: str, texts: list[str], index: int, max_tokens: int, until: float, stats: _Stats
+    url: str,
+    texts: list[str],
+    index: int,
+    max_tokens: int,
+    temperature: float,
+    until: float,
+    stats: _Stats,
 ) -> None:
     import httpx
     import trio
@@ -132,7 +139,8 @@ async def _client(
                 "model": "bench",
                 "prompt": texts[n % len(texts)],
                 "max_tokens": max_tokens,
-                "temperature": 0,
+                "temperature": temperature,
+                "ignore_eos": True,  # every request as long at any temperature
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
@@ -245,6 +253,7 @@ def run_http_load(
     system_prompt_rules: int = 0,
     max_model_len: int = 1024,
     pool: str = "512MiB",
+    temperature: float = 0.0,
 ) -> LoadReport:
     import trio
 
@@ -264,7 +273,9 @@ def run_http_load(
                 until = start + duration
                 async with trio.open_nursery() as nursery:
                     for i in range(clients):
-                        nursery.start_soon(_client, url, texts, i, max_tokens, until, stats)
+                        nursery.start_soon(
+                            _client, url, texts, i, max_tokens, temperature, until, stats
+                        )
                 return trio.current_time() - start
 
             elapsed = trio.run(load)
@@ -282,6 +293,7 @@ def run_http_load(
         clients=clients,
         duration_s=round(elapsed, 1),
         max_tokens=max_tokens,
+        temperature=temperature,
         requests=stats.requests,
         errors_5xx=stats.errors_5xx,
         errors_other=stats.errors_other,
@@ -298,7 +310,9 @@ def run_http_load(
     )
     if inprocess:
         log("the same workload in-process (Scheduler.step, no HTTP)")
-        rate = run_inprocess(model, clients, duration, max_tokens, max_model_len, pool, texts)
+        rate = run_inprocess(
+            model, clients, duration, max_tokens, max_model_len, pool, texts, temperature
+        )
         report["inprocess_output_tokens_per_s"] = round(rate, 1)
         report["http_vs_inprocess"] = round(report["output_tokens_per_s"] / rate, 3)  # type: ignore[operator]
     return LoadReport(**report)  # type: ignore[arg-type]
@@ -312,6 +326,7 @@ def run_inprocess(
     max_model_len: int,
     pool: str,
     texts: list[str],
+    temperature: float = 0.0,
 ) -> float:
     """Output tokens/s of the scheduler alone on the HTTP run's workload:
     ``clients`` requests kept in flight for ``duration``, then drained."""
@@ -330,7 +345,7 @@ def run_inprocess(
     tokenizer = loaded.tokenizer
     from kvd.sched.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     encoded = [tokenizer.encode(t) for t in texts]
     counter = 0
 
@@ -359,7 +374,7 @@ def render(report: LoadReport) -> str:
     lines = [
         f"machine: {report.machine}",
         f"model {report.model}: {report.clients} streaming clients, {report.duration_s} s, "
-        f"max_tokens {report.max_tokens}",
+        f"max_tokens {report.max_tokens} (ignore_eos), temperature {report.temperature:g}",
         f"requests {report.requests} ({report.requests_per_s}/s), 5xx {report.errors_5xx}, "
         f"other errors {report.errors_other}, incomplete streams {report.incomplete_streams}, "
         f"leaked pages {report.leaked_pages}",
