@@ -1,7 +1,7 @@
 """What one sampling call costs at a real vocabulary, by path: greedy,
-temperature alone (kvd/engine/sampling.py's rejection sampler over blocks), top-k/top-p cut among the
-candidates, and cut over the whole vocabulary by bisection (all rows, or one
-row of the batch); and what one row's logit biases, min_tokens mask, min_p,
+temperature alone (the engine's rejection sampler over blocks), top-k/top-p
+cut among the candidates, and cut over the whole vocabulary by bisection
+(all rows, or one row of the batch); and what one row's logit biases, min_tokens mask, min_p,
 penalties (over a 4,096-token history) or top logprobs cost a batch whose
 other rows ask for none. Times are the best of a few calls, after compiling;
 a one-row case is timed alternately with the batch it is compared with (the
