@@ -255,10 +255,15 @@ def _for_rows_asking(asking: jax.Array, logits: jax.Array, compute: Any) -> Any:
     return jax.lax.cond(jnp.any(asking), for_some, for_none)
 
 
+def _penalized(params: SamplingBatch) -> jax.Array:
+    """Which rows [S] have a repetition, frequency or presence penalty."""
+    return (params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)
+
+
 def adjusting(params: SamplingBatch) -> jax.Array:
     """Whether some row of the batch has its logits adjusted (``adjusted_logits``)."""
     early = params.positions < params.min_end
-    penalized = (params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)
+    penalized = _penalized(params)
     grammar = jnp.array(False) if params.allowed is None else jnp.any(params.allowed != -1)
     return jnp.any(params.bias_ids >= 0) | jnp.any(early) | jnp.any(penalized) | grammar
 
@@ -282,7 +287,7 @@ def adjusted_logits(
     ids = jnp.concatenate([params.stop_ids, ends], axis=1)
     ids = jnp.where((ids < 0) | ~early[:, None], vocab, ids)  # dropped
     logits = logits.at[ids.T, rows[None, :]].set(-jnp.inf, mode="drop")
-    penalized = (params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)
+    penalized = _penalized(params)
     logits = _penalize_rows(logits, params, penalized)
     allowed = params.allowed
     if allowed is None:
