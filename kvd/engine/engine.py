@@ -96,11 +96,15 @@ def run_body(
     pool: jax.Array,
     flat: jax.Array,
     every: jax.Array,
+    previous: jax.Array,
     *,
     tokens: int,
     width: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The decoder stack over a packed StepBatch; returns the hidden states of
+    """The decoder stack over a packed StepBatch, followed in ``flat`` by a
+    source per token: -1, or the row of ``previous`` (the tokens the last
+    step sampled, still on the device) that holds it, for a token the host
+    has not read yet (an overlapped step). Returns the hidden states of
     the rows to sample through the final norm (``model.final_norm``), ``[S_max,
     D]``, the step's hidden states of every
     token written over the first rows of ``every`` (a donated ``[T_max, D]``
@@ -108,7 +112,11 @@ def run_body(
     reads it compiles once; rows past the step's hold stale values, never
     scored), and the pool."""
     groups = len(spec.group_places)
-    batch = StepBatch(*unpack(flat, batch_shapes(tokens, max_seqs, width, groups)))
+    shapes = batch_shapes(tokens, max_seqs, width, groups)
+    *fields, source = unpack(flat, [*shapes, (tokens,)])
+    batch = StepBatch(*fields)
+    known = batch.tokens
+    batch = batch._replace(tokens=jnp.where(source < 0, known, previous[jnp.maximum(source, 0)]))
     hidden, pool = body(spec, params, pool, batch)
     every = jax.lax.dynamic_update_slice(every, hidden.astype(every.dtype), (0, 0))
     return final_norm(spec, params, hidden[batch.sample_index]), every, pool
@@ -209,7 +217,10 @@ def head_and_sample(
         history=history,
         allowed=allowed,
     )
-    return sample(normed_logits(spec, params, rows[:seqs]), sampling, end_ids)
+    tokens, *rest = sample(normed_logits(spec, params, rows[:seqs]), sampling, end_ids)
+    # Padded to every row, one shape whatever the bucket: the next step's
+    # ``previous`` (run_body) reads them where they are.
+    return (jnp.zeros(rows.shape[0], tokens.dtype).at[:seqs].set(tokens), *rest)
 
 
 def enable_compilation_cache() -> None:
@@ -355,6 +366,11 @@ class Engine:
         if self.mesh is not None:
             self._every_hidden = jax.device_put(self._every_hidden, everywhere)
         self.seq_buckets = powers_of_two(1, cfg.max_num_seqs)
+        # The last dispatched step's sampled tokens, on the device: the next
+        # step reads a row's newest token there when the host has not yet.
+        self._previous = jnp.zeros(cfg.max_num_seqs, jnp.int32)
+        if self.mesh is not None:
+            self._previous = jax.device_put(self._previous, everywhere)
         # The reference attention's cost follows the live keys whatever the
         # tables' width, so it compiles one width (each program costs ~0.1 GB of
         # resident code on XLA:CPU); the kernel's grid walks the whole table, so
@@ -410,6 +426,7 @@ class Engine:
         self._programs: dict[tuple[str, int, int], Any] = {}
         self.late_compiles = 0  # programs compiled after warm_up(): a bucketing bug
         self.device_seconds = 0.0  # time in device programs and their results, all steps
+        self.last_read_at = 0.0  # when a step's results were last read (perf_counter)
         # Steps of decodes alone: their tokens and wall time (host work included),
         # for decode throughput that no prefill in the same run can blur.
         self.decode_tokens = 0
@@ -589,8 +606,9 @@ class Engine:
         for tokens, width in shapes:
             tables = np.zeros((groups, seqs, width), np.int32)
             batch = assemble_step_batch([], [], [], tables, self.layout.block_size, tokens)
+            flat = pack([*batch, np.full(tokens, -1, np.int32)])
             hidden, self._every_hidden, self.pool = self._body_program(tokens, width)(
-                self.params, self.pool, self._put(pack(batch)), self._every_hidden
+                self.params, self.pool, self._put(flat), self._every_hidden, self._previous
             )
         hidden.block_until_ready()
 
@@ -598,7 +616,7 @@ class Engine:
         program = self._programs.get(("body", tokens, width))
         if program is not None:  # every step after warm-up
             return program
-        size = sum(
+        size = tokens + sum(  # the batch, then each token's source (run_body)
             math.prod(shape)
             for shape in batch_shapes(
                 tokens, self.config.max_num_seqs, width, self.layout.num_groups
@@ -612,6 +630,7 @@ class Engine:
             self.pool,
             flat,
             self._every_hidden,
+            self._previous,
             tokens=tokens,
             width=width,
         )
@@ -657,11 +676,28 @@ class Engine:
         before: np.ndarray[Any, Any],
         masks: np.ndarray[Any, Any] | None = None,
     ) -> StepOutput:
-        """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated)
-        and return what each sampled (the alternatives only when one asked); ``slots``:
-        the sequences' ``kv.slots_of``, ``before`` their columns before the step
-        (``kv.columns.matrix[:, slots]``); ``masks``: structured output's token
-        bitmasks, a row per sequence, or None. The caller commits the tokens.
+        """``dispatch`` a step and wait for what it sampled."""
+        return self.dispatch(seqs, counts, params, slots, before, masks).result()
+
+    def dispatch(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        params: ParamsLookup,
+        slots: np.ndarray[Any, Any],
+        before: np.ndarray[Any, Any],
+        masks: np.ndarray[Any, Any] | None = None,
+        sources: np.ndarray[Any, Any] | None = None,
+    ) -> EngineStep:
+        """Start computing ``counts[i]`` tokens of ``seqs[i]`` (pages already
+        allocated) and return at once: the step's ``result()`` is what each
+        sampled (the alternatives only when one asked). ``slots``: the
+        sequences' ``kv.slots_of``, ``before`` their columns before the step
+        (``kv.columns.matrix[:, slots]``); ``masks``: structured output's
+        token bitmasks, a row per sequence, or None; ``sources``: per
+        sequence, the row of the step dispatched last whose sampled token is
+        this sequence's newest (a placeholder on the host; it computes one
+        token), or -1. The caller commits the tokens.
 
         A sequence's sampling parameters are read when it first runs (only
         those entries of ``params`` are looked at) and kept for its life.
@@ -685,6 +721,7 @@ class Engine:
             seqs, slots, params, before[TABLE_VERSION], before[SERIAL], self._table_edits
         )
         tables = cache.tables[:, rows, :width]
+        source = np.full(tokens_bucket, -1, np.int32)
         if decodes:  # each computes its newest token: the most common step by far
             flat = pack_decode_step(
                 before[LAST_TOKEN],
@@ -695,6 +732,8 @@ class Engine:
                 self.rings,
             )
             ends = starts + 1
+            if sources is not None:
+                source[:count] = sources
         else:
             tokens = [
                 t
@@ -706,6 +745,10 @@ class Engine:
             )
             flat = pack(batch)
             ends = batch.positions[batch.sample_index[:count]] + 1
+            if sources is not None:  # such a row computes one token: its newest
+                offsets = np.cumsum(counts) - np.asarray(counts)
+                source[offsets] = sources
+        flat = np.concatenate([flat, source])
         scoring = None if decodes else self._prompt_targets(seqs, counts, starts, rows[:count])
         ints, floats = cache.sampling(rows[:seqs_bucket], ends)
         history = self._histories(rows[:seqs_bucket], seqs, ends)
@@ -714,24 +757,19 @@ class Engine:
         head_program = self._head_program(seqs_bucket)
         started = time.perf_counter()
         hidden, self._every_hidden, self.pool = body_program(
-            self.params, self.pool, self._put(flat), self._every_hidden
+            self.params, self.pool, self._put(flat), self._every_hidden, self._previous
         )
         sampled, logprobs, top_ids, top_logprobs = head_program(
             self.params, hidden, self._put(ints), self._put(floats), history, allowed
         )
-        prompt = None
-        if scoring is not None:
-            prompt = self._score_prompts(*scoring, count)
-        sampled, logprobs = np.asarray(sampled), np.asarray(logprobs)
+        self._previous = sampled
+        # Prompt scores read this step's hidden states, which the next step's
+        # body overwrites: their program is dispatched now, read with the rest.
+        prompt = None if scoring is None else self._score_prompts(*scoring, count)
         top = None
         if cache.ints[rows[:count], SAMPLING_TOP].any():  # only then is the result read
-            top = np.asarray(top_ids)[:count], np.asarray(top_logprobs)[:count]
-        self.device_seconds += time.perf_counter() - started
-        if decodes:
-            self.decode_tokens += count
-            self.decode_seconds += time.perf_counter() - entered
-        top_ids, top_logprobs = top or (None, None)
-        return StepOutput(sampled[:count], logprobs[:count], top_ids, top_logprobs, prompt)
+            top = top_ids, top_logprobs
+        return EngineStep(self, count, sampled, logprobs, top, prompt, decodes, entered, started)
 
     def _prompt_targets(
         self,
@@ -763,23 +801,70 @@ class Engine:
 
     def _score_prompts(
         self, targets: np.ndarray[Any, Any], spans: list[tuple[int, int, int, int, int]], count: int
-    ) -> list[PromptScores | None]:
+    ) -> Callable[[], list[PromptScores | None]]:
+        """Dispatch the scoring of ``spans``; returns what reads the scores."""
         padded = np.full(self.token_buckets[-1], -1, np.int32)
         padded[: len(targets)] = targets
         most = np.asarray(max(span[4] for span in spans), np.int32)
         program = self._score_program()
-        logprobs, top_ids, top_values = (
-            np.asarray(a)
-            for a in program(self.params, self._every_hidden, self._put(padded), self._put(most))
-        )
-        scores: list[PromptScores | None] = [None] * count
-        for i, offset, start, n, k in spans:
-            at = slice(offset, offset + n)
-            top = None
-            if k:
-                top = [
-                    tuple(zip(ids[:k].tolist(), values[:k].tolist(), strict=True))
-                    for ids, values in zip(top_ids[at], top_values[at], strict=True)
-                ]
-            scores[i] = PromptScores(start + 1, logprobs[at].tolist(), top)
-        return scores
+        arrays = program(self.params, self._every_hidden, self._put(padded), self._put(most))
+        return partial(_prompt_scores, arrays, spans, count)
+
+
+def _prompt_scores(
+    arrays: tuple[Any, Any, Any], spans: list[tuple[int, int, int, int, int]], count: int
+) -> list[PromptScores | None]:
+    """The prompt scores of ``spans`` from the scoring program's results."""
+    logprobs, top_ids, top_values = (np.asarray(a) for a in arrays)
+    scores: list[PromptScores | None] = [None] * count
+    for i, offset, start, n, k in spans:
+        at = slice(offset, offset + n)
+        top = None
+        if k:
+            top = [
+                tuple(zip(ids[:k].tolist(), values[:k].tolist(), strict=True))
+                for ids, values in zip(top_ids[at], top_values[at], strict=True)
+            ]
+        scores[i] = PromptScores(start + 1, logprobs[at].tolist(), top)
+    return scores
+
+
+class EngineStep:
+    """A dispatched step: its device results, read on ``result()``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        count: int,
+        sampled: Any,
+        logprobs: Any,
+        top: tuple[Any, Any] | None,
+        prompt: Callable[[], list[PromptScores | None]] | None,
+        decodes: bool,
+        entered: float,
+        started: float,
+    ) -> None:
+        self._engine = engine
+        self._count = count
+        self._arrays = sampled, logprobs, top, prompt
+        self._decodes = decodes
+        self._entered, self._started = entered, started
+
+    def result(self) -> StepOutput:
+        """What each sequence sampled (waits for the device)."""
+        sampled, logprobs, top, prompt = self._arrays
+        count, engine = self._count, self._engine
+        tokens, logprobs = np.asarray(sampled)[:count], np.asarray(logprobs)[:count]
+        top_ids = top_logprobs = None
+        if top is not None:
+            top_ids, top_logprobs = np.asarray(top[0])[:count], np.asarray(top[1])[:count]
+        scores = None if prompt is None else prompt()
+        done = time.perf_counter()
+        # The device runs steps in order: this one began at its dispatch or
+        # when the one before it was read, whichever came later.
+        engine.device_seconds += done - max(self._started, engine.last_read_at)
+        engine.last_read_at = done
+        if self._decodes:
+            engine.decode_tokens += count
+            engine.decode_seconds += done - self._entered
+        return StepOutput(tokens, logprobs, top_ids, top_logprobs, scores)

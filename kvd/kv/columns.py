@@ -30,12 +30,25 @@ FIELDS = (
     "last_token",  # the last of them
     "resident",  # 1 while the sequence holds pages on the device
     "serial",  # unique per sequence (a slot's next holder gets another)
+    "pending",  # tokens at the end not known yet: sampled by a step still in flight
 )
 
 
-COMPUTED, ALLOCATED, BLOCKS, SLIDING_START, TABLE_VERSION, LENGTH, LAST_TOKEN, RESIDENT, SERIAL = (
-    range(len(FIELDS))
-)
+(
+    COMPUTED,
+    ALLOCATED,
+    BLOCKS,
+    SLIDING_START,
+    TABLE_VERSION,
+    LENGTH,
+    LAST_TOKEN,
+    RESIDENT,
+    SERIAL,
+    PENDING,
+) = range(len(FIELDS))
+
+# The value of a pending token until its step is read: never a token id.
+PLACEHOLDER = -1
 
 
 class SequenceColumns:

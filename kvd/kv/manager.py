@@ -85,6 +85,9 @@ class KVManager:
         self.add_sequence = registry.add_sequence
         self.append_tokens = registry.append_tokens
         self.append_decoded = registry.append_decoded
+        self.append_pending = registry.append_pending
+        self.resolve_pending = registry.resolve_pending
+        self.drop_pending = registry.drop_pending
         self.slots_of = registry.slots_of
         self.fits = registry.fits
         self.cache_epoch = registry.cache_epoch

@@ -125,6 +125,11 @@ class PrefixCache:
             self.register_blocks(seq, seq.registered, computed_blocks)
 
     def register_blocks(self, seq: Sequence, start: int, stop: int) -> None:
+        # A block holding a token a step in flight sampled waits: its hash
+        # would be of a placeholder (register_pending offers it later).
+        stop = min(stop, seq.known_tokens // self.registry.block_size)
+        if stop <= start:
+            return
         seq.registered = max(seq.registered, stop)
         scope = seq.scope if seq.scope is not None else self.ensure_scope(seq)
         hashes = self.extend_hashes(seq, stop)

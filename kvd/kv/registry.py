@@ -21,6 +21,8 @@ import numpy as np
 from kvd.kv.columns import (
     LAST_TOKEN,
     LENGTH,
+    PENDING,
+    PLACEHOLDER,
     SERIAL,
     SequenceColumns,
 )
@@ -159,6 +161,43 @@ class SequenceRegistry:
         matrix = self.columns.matrix
         matrix[LENGTH, slots] = lengths + 1
         matrix[LAST_TOKEN, slots] = tokens
+
+    def append_pending(
+        self, seqs: list[Sequence], slots: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any]
+    ) -> None:
+        """A placeholder token for each of ``seqs``, sampled by a step just
+        dispatched (``lengths``: their token counts before it): the next step
+        can be planned around it, and ``resolve_pending`` writes its value."""
+        deque(map(list.append, [seq.tokens for seq in seqs], itertools.repeat(PLACEHOLDER)), maxlen=0)
+        matrix = self.columns.matrix
+        matrix[LENGTH, slots] = lengths + 1
+        matrix[LAST_TOKEN, slots] = PLACEHOLDER
+        matrix[PENDING, slots] += 1
+
+    def resolve_pending(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        slots: np.ndarray[Any, Any],
+        lengths: np.ndarray[Any, Any],
+    ) -> None:
+        """The values of placeholders ``append_pending`` wrote at ``lengths``
+        (the oldest pending token of each of ``seqs``)."""
+        for seq, at, token in zip(seqs, lengths.tolist(), tokens, strict=True):
+            seq.tokens[at] = token
+        matrix = self.columns.matrix
+        last = matrix[LENGTH, slots] == lengths + 1
+        matrix[LAST_TOKEN, slots[last]] = np.asarray(tokens, np.int64)[last]
+        matrix[PENDING, slots] -= 1
+
+    def drop_pending(self, seq: Sequence) -> None:
+        """Forget ``seq``'s placeholders (it ends before their steps are read)."""
+        pending = seq.pending
+        if pending:
+            del seq.tokens[-pending:]
+            seq.pending = 0
+            self.columns.set(LENGTH, seq.slot, len(seq.tokens))
+            self.columns.set(LAST_TOKEN, seq.slot, seq.tokens[-1] if seq.tokens else 0)
 
     def slots_of(self, seqs: list[Sequence]) -> np.ndarray[Any, Any]:
         """The column slots of live sequences of this manager (KVError otherwise)."""

@@ -12,6 +12,7 @@ from kvd.kv.columns import (
     COMPUTED,
     LAST_TOKEN,
     LENGTH,
+    PENDING,
     RESIDENT,
     SLIDING_START,
     TABLE_VERSION,
@@ -82,6 +83,9 @@ class Sequence:
     table_version = _column(
         TABLE_VERSION, "a fresh stamp on every change of ``tables`` (for device-side caches)"
     )
+    pending = _column(
+        PENDING, "tokens at the end of ``tokens`` that a step in flight sampled: placeholders"
+    )
 
     def __init__(
         self,
@@ -145,6 +149,11 @@ class Sequence:
             f"Sequence({self.seq_id}, tenant={self.tenant!r}, tokens={len(self.tokens)}, "
             f"computed={self.num_computed}, blocks={self.num_blocks}, {self.residency.value})"
         )
+
+    @property
+    def known_tokens(self) -> int:
+        """Tokens whose values are known (placeholders for in-flight ones excluded)."""
+        return len(self.tokens) - self.pending
 
     def held_pages(self) -> list[int]:
         """Every page this sequence references (each once)."""

@@ -86,6 +86,8 @@ class RequestBook:
         """End ``request`` for ``reason``: its pages go back, its unused
         tokens are refunded to its rate limit, it leaves every table."""
         seq = request.seq
+        if seq is not None and seq.residency is not Residency.RELEASED:
+            self.kv.drop_pending(seq)  # tokens after its end: never recorded
         limiter = self.limiters.get(request.tenant)
         if limiter is not None:
             # A fork was charged for its completion alone (its lead, the prompt).

@@ -78,6 +78,12 @@ class StepOutput(NamedTuple):
     prompt: list[PromptScores | None] | None = None
 
 
+class PendingStep(Protocol):
+    def result(self) -> StepOutput:
+        """What each sequence of the step sampled (waits until it has)."""
+        ...
+
+
 class Executor(Protocol):
     layout: PageLayout  # the pool's pages: one size, grouped by attention kind
     num_pages: int  # pages in the pool, the null page included
@@ -106,6 +112,24 @@ class Executor(Protocol):
 
         Raises SequenceFault, with nothing computed, when one sequence's own
         inputs cannot be built; any other exception is the executor's failure."""
+        ...
+
+    def dispatch(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        params: ParamsLookup,
+        slots: Array,
+        before: Array,
+        masks: Array | None = None,
+        sources: Array | None = None,
+    ) -> PendingStep:
+        """``run``, returning as soon as the step is under way: its
+        ``result()`` waits for what it sampled. ``sources``: per sequence, the
+        row of the step dispatched last whose sampled token is the sequence's
+        newest, which the host holds only as a placeholder (such a sequence
+        computes one token), or -1. The next step may be dispatched before
+        this one's result is read; steps run in the order dispatched."""
         ...
 
     def copy_out(self, pages: list[int]) -> Array:

@@ -94,8 +94,10 @@ class Request:
 
     @property
     def output(self) -> list[int]:
-        """The tokens generated so far (they follow the prompt in its sequence)."""
-        return [] if self.seq is None else self.seq.tokens[self.prompt_len :]
+        """The tokens generated so far (they follow the prompt in its
+        sequence), but those a step in flight sampled."""
+        seq = self.seq
+        return [] if seq is None else seq.tokens[self.prompt_len : seq.known_tokens]
 
 
 class RunningOrder:
@@ -203,6 +205,9 @@ class SlotInfo:
         self.ignore_eos = np.zeros(0, np.bool_)  # the model's end tokens do not end it
         # The request's own stop_token_ids, -1 padded: sampling one ends it.
         self.stop_ids = np.full((0, MAX_STOP_IDS), -1, np.int64)
+        # Its step needs its newest token on the host (a grammar's mask, a
+        # penalty's history): overlapped, it waits for a token in flight.
+        self.waits = np.zeros(0, np.bool_)
 
     def start(
         self,
@@ -212,6 +217,8 @@ class SlotInfo:
         tenant: int,
         ignore_eos: bool,
         stop_ids: tuple[int, ...] | list[int] = (),
+        *,
+        waits: bool = False,
     ) -> None:
         """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
         if len(self.stop_length) < capacity:
@@ -221,10 +228,17 @@ class SlotInfo:
         self.ignore_eos[slot] = ignore_eos
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stop_ids)] = stop_ids
+        self.waits[slot] = waits
 
     def _grow(self, capacity: int) -> None:
         old = len(self.stop_length)
-        columns = (("stop_length", 0), ("tenant", 0), ("ignore_eos", 0), ("stop_ids", -1))
+        columns = (
+            ("stop_length", 0),
+            ("tenant", 0),
+            ("ignore_eos", 0),
+            ("stop_ids", -1),
+            ("waits", 0),
+        )
         for name, fill in columns:
             column = getattr(self, name)
             grown = np.full((capacity, *column.shape[1:]), fill, column.dtype)

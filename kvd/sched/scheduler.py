@@ -28,12 +28,12 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
-from kvd.kv.columns import COMPUTED, LENGTH
+from kvd.kv.columns import COMPUTED, LENGTH, PENDING
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.manager import KVManager
 from kvd.kv.records import PrefixHit
@@ -42,7 +42,7 @@ from kvd.sched.admission import Admission
 from kvd.sched.book import RequestBook
 from kvd.sched.constraint import mask_words
 from kvd.sched.costmodel import Rates, measure_rates
-from kvd.sched.executor import Executor, SequenceFault
+from kvd.sched.executor import Executor, PendingStep, SequenceFault, StepOutput
 from kvd.sched.hostcopies import HostCopies
 from kvd.sched.preemption import Preemption
 from kvd.sched.ratelimit import TenantLimiter
@@ -73,6 +73,32 @@ __all__ = [
     "TenantConfig",
     "TenantStats",
 ]
+
+class Launched(NamedTuple):
+    """A dispatched step whose sampled tokens are not recorded yet."""
+
+    work: StepWork
+    seqs: list[Sequence]
+    slots: np.ndarray[Any, Any]
+    before: np.ndarray[Any, Any]  # the sequences' columns before it
+    pending: PendingStep
+    constrained: bool  # some row follows a grammar
+
+
+def _rows_of(work: StepWork, output: StepOutput, keep: list[int]) -> tuple[StepWork, StepOutput]:
+    """The rows ``keep`` of a step's work and of its output."""
+    kept = StepWork()
+    for i in keep:
+        kept.add(work.requests[i], work.counts[i])
+    top_ids, top_logprobs, prompt = output.top_ids, output.top_logprobs, output.prompt
+    return kept, StepOutput(
+        output.tokens[keep],
+        output.logprobs[keep],
+        None if top_ids is None else top_ids[keep],
+        None if top_logprobs is None else top_logprobs[keep],
+        None if prompt is None else [prompt[i] for i in keep],
+    )
+
 
 _NO_SLOTS = np.zeros(0, np.int64)
 _NOTHING_SCHEDULED: tuple[list[Request], list[Sequence], np.ndarray[Any, Any]] = ([], [], _NO_SLOTS)
@@ -141,6 +167,12 @@ class Scheduler:
         self._decode_slots: tuple[list[Request], list[Sequence], np.ndarray[Any, Any]] = (
             _NOTHING_SCHEDULED
         )
+        # Overlapped steps: the step dispatched and not read yet; by KV slot,
+        # the row of that step whose sampled token a sequence holds as a
+        # placeholder; the events of a step read early (``settle``).
+        self._in_flight: Launched | None = None
+        self._source_row = np.full(kv.columns.capacity, -1, np.int64)
+        self._settled: list[StepEvent] = []
         # Per public prefix: [requests that started with it, of those served
         # from cache, prompt tokens served from cache].
         self.prefix_hits: dict[str, list[int]] = {}
@@ -164,6 +196,7 @@ class Scheduler:
 
     def calibrate(self, repeats: int = 3) -> Rates:
         """Measure the executor's rates (on a scratch KV manager) and use them."""
+        self.settle()
         try:
             self.rates = rates = measure_rates(self.executor, repeats)
         finally:
@@ -225,12 +258,21 @@ class Scheduler:
         return bool(live)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.swapped or any(self.queues.values()))
+        return bool(
+            self.running
+            or self.swapped
+            or any(self.queues.values())
+            or self._in_flight is not None
+            or self._settled
+        )
 
     def step(self) -> list[StepEvent]:
+        """Plan a step and dispatch it; return the events of the step read
+        now: this one (serial), or the one dispatched before it (overlapped,
+        whose tokens the device computed while this one was planned)."""
+        events, self._settled = self._settled, []
         now = self.clock()
         self.book.steps += 1
-        events: list[StepEvent] = []
         self._expire(now, events)
         target = self.config.target_step_ms
         plan = StepPlan(
@@ -244,36 +286,102 @@ class Scheduler:
         prefilling = self._schedule_decodes(plan)
         self._schedule_prefills(plan, prefilling, now)
         work = plan.work
+        in_flight, self._in_flight = self._in_flight, None
         # Waiting work that nothing in this step could start, and nothing was
         # freed for: only a change (a cancel, an admin command) or time can help.
-        self.stalled = not work and self.preemptions == preempted and not events
+        self.stalled = (
+            not work and in_flight is None and self.preemptions == preempted and not events
+        )
         self.last_step_predicted_s = plan.predicted_s()
         scheduled, seqs, slots = self._decode_slots
         self._decode_slots = _NOTHING_SCHEDULED
-        if not work:
+        launched = None
+        if work:
+            if scheduled != work.requests:  # more or fewer than the running decodes
+                seqs = [request.seq for request in work.requests]  # type: ignore[misc]
+                slots = self.kv.slots_of(seqs)
+            launched = self._launch(work, seqs, slots, bool(plan.prefill_tokens), events)
+        if not self.config.overlap:
+            if launched is not None:
+                self._record(launched, events)
             return events
-        requests = work.requests
-        if scheduled != requests:  # more or fewer than the running decodes
-            seqs = [request.seq for request in requests]  # type: ignore[misc]
-            slots = self.kv.slots_of(seqs)
+        self._in_flight = launched
+        if in_flight is not None:
+            self._record(in_flight, events)
+        return events
+
+    def settle(self) -> None:
+        """Read the step in flight, if any (its events come with the next
+        ``step()``): for what must see every sampled token recorded and the
+        device quiet, such as admin changes and calibration."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            self._record(in_flight, self._settled)
+
+    @property
+    def in_flight(self) -> bool:
+        """A dispatched step's tokens are not recorded yet."""
+        return self._in_flight is not None
+
+    def _launch(
+        self,
+        work: StepWork,
+        seqs: list[Sequence],
+        slots: np.ndarray[Any, Any],
+        prefills: bool,
+        events: list[StepEvent],
+    ) -> Launched | None:
+        """Dispatch ``work`` and commit its computed tokens; overlapped, its
+        sampled tokens go in as placeholders. None: a sequence's own inputs
+        failed, and nothing ran."""
         kv = self.kv
+        requests, counts = work.requests, work.counts
         before = kv.columns.matrix[:, slots]  # the step's counters, gathered once
-        counts = work.counts
         self.sync_host_cache()
         masks = self._constraint_masks(requests, counts, before)
+        sources = None
+        if self.config.overlap and (before[PENDING] > 0).any():
+            sources = np.where(before[PENDING] > 0, self._source_row[slots], -1)
         try:
-            output = self.executor.run(seqs, counts, ParamsOf(requests), slots, before, masks)
+            pending = self.executor.dispatch(
+                seqs, counts, ParamsOf(requests), slots, before, masks, sources
+            )
         except SequenceFault as fault:
             # Nothing ran: the others' pages stay allocated from their computed
             # tokens, so the next step plans them again as if this one never was.
             self._fail(requests[fault.index], fault.cause, events)
-            return events
-        if not plan.prefill_tokens:  # decodes alone (commit_decodes checks that they are)
+            return None
+        if not prefills:  # decodes alone (commit_decodes checks that they are)
             kv.commit_decodes(seqs, slots, before)
         else:
             kv.commit_batch(seqs, counts, slots)
-        self.tokens.record(work, seqs, slots, before, output, events, masks is not None)
-        return events
+        if self.config.overlap:
+            rows = np.flatnonzero(before[COMPUTED] + np.asarray(counts) == before[LENGTH])
+            kv.append_pending([seqs[i] for i in rows], slots[rows], before[LENGTH, rows])
+            if len(self._source_row) < kv.columns.capacity:
+                grown = np.full(kv.columns.capacity, -1, np.int64)
+                grown[: len(self._source_row)] = self._source_row
+                self._source_row = grown
+            self._source_row[slots[rows]] = rows
+        return Launched(work, seqs, slots, before, pending, masks is not None)
+
+    def _record(self, launched: Launched, events: list[StepEvent]) -> None:
+        """Read a dispatched step's tokens and turn them into events. A row
+        whose request ended since it was dispatched (a stop found in the
+        step before, a cancel) is dropped: its token comes after its end."""
+        output = launched.pending.result()
+        work, seqs, slots, before = launched.work, launched.seqs, launched.slots, launched.before
+        finished = RequestPhase.FINISHED
+        if any(request.phase is finished for request in work.requests):
+            keep = [i for i, r in enumerate(work.requests) if r.phase is not finished]
+            work, output = _rows_of(work, output, keep)
+            seqs = [seqs[i] for i in keep]
+            slots, before = slots[keep], before[:, keep]
+        if work:
+            self.tokens.record(
+                work, seqs, slots, before, output, events, launched.constrained,
+                pending=self.config.overlap,
+            )
 
     def _constraint_masks(
         self, requests: list[Request], counts: list[int], before: np.ndarray[Any, Any]
@@ -302,6 +410,21 @@ class Scheduler:
         seqs: list[Sequence] = [request.seq for request in order]  # type: ignore[misc]
         slots = kv.slots_of(seqs)
         before = kv.columns.matrix[:, slots]
+        if self._in_flight is not None:
+            # A row whose newest token is still on the device waits for it when
+            # that token may be its last (its length) or the step needs it on
+            # the host (a grammar's mask, a penalty's history).
+            info = self._slot_info
+            hold = (before[PENDING] > 0) & (
+                info.waits[slots] | (before[LENGTH] >= info.stop_length[slots])
+            )
+            if hold.any():
+                run = np.flatnonzero(~hold)
+                order = [order[i] for i in run.tolist()]
+                seqs = [seqs[i] for i in run.tolist()]
+                slots, before = slots[run], before[:, run]
+                if not order:
+                    return []
         if len(order) <= plan.max_seqs and len(order) <= plan.tokens_left:
             # Every running decode fits this step, so priority cannot decide who
             # waits: they are scheduled as one array operation (see
@@ -358,6 +481,8 @@ class Scheduler:
                     blocked.add(request.tenant)
                 continue
             own[request.tenant].pop(0)
+            if request.seq is not None and request.seq.pending:
+                continue  # swapped out with a token in flight: back once that is read
             if request.phase is RequestPhase.SWAPPED:
                 self.preemption.swap_in(request, plan)
             elif request.phase is RequestPhase.RUNNING:
@@ -420,8 +545,11 @@ class Scheduler:
                 self.book.tenant_index[request.tenant],
                 request.params.ignore_eos,
                 request.params.stop_token_ids,
+                waits=request.constraint is not None or request.params.penalized,
             )
         seq = request.seq
+        if seq.pending:
+            return False  # preempted with a token in flight: it restarts once that is read
         hit = kv.lookup(seq, use_cache=not request.scores_prompt)
         if hit.reloads and not self._reload_pays(hit, seq):
             hit = kv.lookup(seq, host=False)

@@ -26,6 +26,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     mode: BudgetMode = BudgetMode.RESERVE
     policy: SharingPolicy = SharingPolicy.PUBLIC
     preemption: str = "auto"  # "auto" (cost model), "recompute" or "swap"
+    # Plan and dispatch each step before reading the one before it, so the
+    # device never waits for the host's bookkeeping; False: one step at a time.
+    overlap: bool = True
     # A step's predicted time (cost model) stays under this once it holds any
     # work: prefill chunks shrink to fit after the decodes. None: tokens only.
     target_step_ms: float | None = None

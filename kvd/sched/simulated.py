@@ -104,6 +104,16 @@ def expected_output(
             return out, "length"
 
 
+class Finished:
+    """A step whose results are already there."""
+
+    def __init__(self, output: StepOutput) -> None:
+        self.output = output
+
+    def result(self) -> StepOutput:
+        return self.output
+
+
 class SimulatedExecutor:
     def __init__(
         self,
@@ -130,6 +140,10 @@ class SimulatedExecutor:
         self._min_end: dict[int, int] = {}  # by sequence: end tokens allowed from this length
         # By sequence, when its prompt's own logprobs were asked: (prompt end, alternatives).
         self._scoring: dict[int, tuple[int, int]] = {}
+        self._last_sampled = np.zeros(0, np.int64)  # the last step's, for ``sources``
+        # By sequence: (position, token) of the newest token the host had as
+        # a placeholder when it last ran (``sources``).
+        self._overrides: dict[int, tuple[int, int]] = {}
 
     def bind(self, kv: KVManager) -> None:
         if kv.layout != self.layout or kv.pool.num_pages != self.num_pages:
@@ -140,6 +154,7 @@ class SimulatedExecutor:
         self._started.clear()
         self._min_end.clear()
         self._scoring.clear()
+        self._overrides.clear()
 
     def run(
         self,
@@ -149,6 +164,7 @@ class SimulatedExecutor:
         slots: Array,
         before: Array,
         masks: Array | None = None,
+        sources: Array | None = None,
     ) -> StepOutput:
         started = time.perf_counter()
         self._inject_faults(seqs, params)
@@ -164,6 +180,10 @@ class SimulatedExecutor:
         for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             start = computed[i]
             end = start + n
+            if sources is not None and sources[i] >= 0:
+                # As the device: the newest token, which the host holds only
+                # as a placeholder, is the one the last step sampled.
+                self._overrides[seq.seq_id] = (start, int(self._last_sampled[sources[i]]))
             self._write(seq, start, end)
             scores = self._prompt_scores(seq, start, end)
             if scores is not None:
@@ -181,6 +201,7 @@ class SimulatedExecutor:
                     token = masked_token(token, masks[i], self.limits.vocab_size, banned)
                 sampled[i] = token
         self.device_seconds += time.perf_counter() - started
+        self._last_sampled = sampled
         top_ids = top_logprobs = None
         if any(p is not None and p.top_logprobs for p in wanted):
             # The model's alternatives: the sampled token first, then the next ids.
@@ -191,6 +212,27 @@ class SimulatedExecutor:
         return StepOutput(
             sampled, np.full(len(seqs), -0.5, np.float32), top_ids, top_logprobs, prompt
         )
+
+    def dispatch(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        params: ParamsLookup,
+        slots: Array,
+        before: Array,
+        masks: Array | None = None,
+        sources: Array | None = None,
+    ) -> Finished:
+        """``run``, already done when it returns (a device of no latency)."""
+        return Finished(self.run(seqs, counts, params, slots, before, masks, sources))
+
+    def _tokens(self, seq: Sequence, start: int, end: int) -> Array:
+        """``seq``'s tokens ``[start, end)`` as the device knows them."""
+        values = np.asarray(seq.tokens[start:end], np.int64)
+        override = self._overrides.get(seq.seq_id)
+        if override is not None and start <= override[0] < end:
+            values[override[0] - start] = override[1]
+        return values
 
     def _prompt_scores(self, seq: Sequence, start: int, end: int) -> PromptScores | None:
         """As the engine's, for a sequence that asked: prompt tokens
@@ -245,7 +287,7 @@ class SimulatedExecutor:
 
     def _write(self, seq: Sequence, start: int, end: int) -> None:
         positions = np.arange(start, end)
-        values = np.asarray(seq.tokens[start:end], np.int64)
+        values = self._tokens(seq, start, end)
         offsets = positions % self.layout.block_size
         for g in range(self.groups):
             self.pool[self._pages(seq, g, positions), offsets] = values
@@ -253,7 +295,7 @@ class SimulatedExecutor:
     def _read(self, seq: Sequence, end: int) -> list[int]:
         """The context a token at ``end`` sees, read from the pages, checked
         against the sequence's tokens in every group."""
-        expected = np.asarray(seq.tokens[:end], np.int64)
+        expected = self._tokens(seq, 0, end)
         for g, window in enumerate(self.windows):
             first = 0 if window is None else max(0, end - window)
             positions = np.arange(first, end)
@@ -266,7 +308,7 @@ class SimulatedExecutor:
                     f"sequence {seq.seq_id}, group {g}: page {int(pages[wrong[0]])} holds "
                     f"{int(held[wrong[0]])} at position {at}, not {int(expected[at])}"
                 )
-        return seq.tokens[:end]
+        return expected.tolist()  # type: ignore[no-any-return]
 
     def copy_out(self, pages: list[int]) -> Array:
         if faults.fire("d2h") == "fail":

@@ -105,11 +105,14 @@ class TokenRecorder:
         output: StepOutput,
         events: list[StepEvent],
         constrained: bool = False,
+        *,
+        pending: bool = False,
     ) -> None:
         """Turn one step's sampled tokens into events, as array operations over
         the batch (this runs for every running sequence every step). ``before``
         holds the sequences' columns from before the step; ``constrained``:
-        some request of the step has a grammar to follow."""
+        some request of the step has a grammar to follow; ``pending``: the
+        step was dispatched overlapped, its tokens went in as placeholders."""
         info = self.slot_info
         out = outcome(
             work.counts,
@@ -133,7 +136,10 @@ class TokenRecorder:
         slots, finished, by_stop = out.slots, out.finished, out.by_stop
         token_list = out.tokens.tolist()
         # A last token too: it is part of the output.
-        self.kv.append_decoded(seqs, token_list, slots, out.length)
+        if pending:
+            self.kv.resolve_pending(seqs, token_list, slots, out.length)
+        else:
+            self.kv.append_decoded(seqs, token_list, slots, out.length)
         reasons: list[str | None] = [None] * len(requests)
         broken = (
             self._follow_constraints(requests, token_list, finished, by_stop) if constrained else {}

@@ -119,8 +119,11 @@ class Runtime:
         self.step_log_interval = step_log_interval
         self.snapshot: SchedulerStats = scheduler.stats()
         self._snapshot_at = 0.0
-        # Commands, each with what to do instead if the engine fails first.
-        self._inbox: deque[tuple[Callable[[], object], Callable[[], object] | None]] = deque()
+        # Commands, each with what to do instead if the engine fails first, and
+        # whether it needs the step in flight read first (admin changes).
+        self._inbox: deque[tuple[Callable[[], object], Callable[[], object] | None, bool]] = (
+            deque()
+        )
         self._wake = trio.Event()
         self._live: dict[str, Ticket] = {}
         self._idle = trio.Event()
@@ -256,7 +259,7 @@ class Runtime:
             outcome.append((False, EngineFailed(f"the engine failed: {self.failure}")))
             done.set()
 
-        self._post(apply, refuse)
+        self._post(apply, refuse, quiet=True)
         await done.wait()
         ok, value = outcome[0]
         if not ok:
@@ -283,15 +286,20 @@ class Runtime:
             self._idle.set()
 
     def _post(
-        self, command: Callable[[], object], instead: Callable[[], object] | None = None
+        self,
+        command: Callable[[], object],
+        instead: Callable[[], object] | None = None,
+        *,
+        quiet: bool = False,
     ) -> None:
         """Queue ``command`` for the step loop; ``instead`` runs if the engine
-        has failed (now, or before it got to the command)."""
+        has failed (now, or before it got to the command); ``quiet``: the step
+        in flight, if any, is read before it runs."""
         if self.failure is not None:
             if instead is not None:
                 instead()
             return
-        self._inbox.append((command, instead))
+        self._inbox.append((command, instead, quiet))
         self._wake.set()
 
     # -- the step loop ------------------------------------------------------------
@@ -308,22 +316,23 @@ class Runtime:
         self.failure = f"{type(exc).__name__}: {exc}"
         log.error("engine.failed", error=repr(exc), in_flight=len(self._live))
         while self._inbox:  # submits not yet taken are refused, calls raise
-            _, instead = self._inbox.popleft()
+            _, instead, _ = self._inbox.popleft()
             if instead is not None:
                 instead()
         for ticket in list(self._live.values()):
             self._end(ticket, ENGINE_FAILED, self.failure)
             ticket.accepted.set()
 
-    async def _step(self) -> list[StepEvent]:
-        """One scheduler step in a worker thread. Shielded: a shutdown waits
-        for the step in progress (it owns the scheduler until it returns);
-        only ``step_timeout`` gives up on it, and then the engine has failed."""
+    async def _step(self, work: Callable[[], T]) -> T:
+        """One scheduler call (a step, or reading the step in flight) in a
+        worker thread. Shielded: a shutdown waits for the step in progress (it
+        owns the scheduler until it returns); only ``step_timeout`` gives up
+        on it, and then the engine has failed."""
         if not self.step_in_thread:
-            return self.scheduler.step()
+            return work()
         with trio.CancelScope(shield=True), trio.move_on_after(self.step_timeout) as timer:
             return await trio.to_thread.run_sync(
-                self.scheduler.step, abandon_on_cancel=True, limiter=self._step_thread
+                work, abandon_on_cancel=True, limiter=self._step_thread
             )
         assert timer.cancelled_caught
         raise StepTimeout(
@@ -336,6 +345,8 @@ class Runtime:
             self.heartbeat = clock()
             self._wake = trio.Event()
             while self._inbox:
+                if self._inbox[0][2] and scheduler.in_flight:
+                    await self._step(scheduler.settle)
                 self._inbox.popleft()[0]()
             if self.after_change is not None:
                 self.after_change()
@@ -345,7 +356,7 @@ class Runtime:
                     await self._wake.wait()
                 continue
             started = clock()
-            events = await self._step()
+            events = await self._step(scheduler.step)
             now = clock()
             self._dispatch(events, now)
             self._log_preemptions()

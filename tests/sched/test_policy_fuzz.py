@@ -59,6 +59,7 @@ class PolicyMachine(RuleBasedStateMachine):
         swap_pages=st.sampled_from([None, 0, 12, 40]),
         target_ms=st.sampled_from([None, 5.0, 50.0]),
         host_pages=st.sampled_from([0, 0, 16, 60]),
+        overlap=st.booleans(),
     )
     def start(
         self,
@@ -67,6 +68,7 @@ class PolicyMachine(RuleBasedStateMachine):
         swap_pages: int | None,
         target_ms: float | None,
         host_pages: int,
+        overlap: bool = False,
     ) -> None:
         self.executor = make_executor(pages=48)  # two long requests fill it
         self.faulty = Faulty(self.executor)
@@ -91,6 +93,7 @@ class PolicyMachine(RuleBasedStateMachine):
             target_step_ms=target_ms,
             swap_pages=swap_pages,
             host_pages=host_pages,  # the host cache, shared with swap
+            overlap=overlap,  # each step dispatched before the one before it is read
         )
         self.scheduler = CheckedScheduler(self.executor, config, rates=rates, clock=self.clock)
         self.capacity = self.scheduler.kv.ledger.capacity
