@@ -95,6 +95,9 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # by model.max_num_batched_tokens alone.
     target_step_ms: float | None = None
     swap_space: str = "4GiB"  # host memory swapped-out sequences may hold, all tenants
+    # Plan and dispatch each step before reading the one before it (the
+    # device never waits for the host's bookkeeping); false: one at a time.
+    overlap: bool = True
 
 
 class SharingSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -48,6 +48,7 @@ def build_scheduler(
             target_step_ms=config.scheduler.target_step_ms,
             swap_pages=swap_space_pages(config, page_bytes),
             host_pages=host_cache_pages(config, page_bytes),
+            overlap=config.scheduler.overlap,
         ),
         **kw,
     )
