@@ -249,6 +249,13 @@ def bench_kv(steps: int, running: str, model: str, block_size: int, as_json: boo
 @click.option("--dtype", type=WEIGHT_DTYPES, default="float32")
 @click.option("--quantization", type=QUANTIZATIONS, default="auto")
 @click.option("--no-baseline", is_flag=True, help="Skip the transformers baseline.")
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Interleaved rounds of kvd with overlapped steps on and off, per batch size.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(
     batches: str,
@@ -257,6 +264,7 @@ def bench_decode(
     dtype: str,
     quantization: str,
     no_baseline: bool,
+    rounds: int,
     as_json: bool,
 ) -> None:
     """Decode throughput and TTFT of the embedded model, with transformers as the baseline."""
@@ -271,6 +279,7 @@ def bench_decode(
         not no_baseline,
         lambda t: click.echo(t, err=True),
         quantization,
+        rounds,
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 

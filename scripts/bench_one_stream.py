@@ -6,8 +6,16 @@ gap between tokens, and TTFT.
 
 Run it against each server in turn, in one session, on a quiet machine:
 
-    .venv/bin/python scripts/bench_one_stream.py --url http://127.0.0.1:8000 --key kvd-dev-alice
+    .venv/bin/python scripts/bench_one_stream.py --url http://127.0.0.1:8000 --key kvd-dev-alice \
+        --metrics http://127.0.0.1:9464
     .venv/bin/python scripts/bench_one_stream.py --url http://127.0.0.1:8090
+
+``--metrics`` (kvd's Prometheus listener) also reads the server's own
+inter-token histogram over the same requests: the gap between two tokens as
+the step loop hands them to their stream, in the server's process. The
+difference from the client's gap is what the streaming path costs per token
+(channel, response shaping, SSE framing, the socket). ``--repeat 1`` makes the
+shared prompt about 128 tokens instead of about 464.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import time
 
 import httpx
 
-SHARED = (
+SHARED_TEXT = (
     "You are a careful assistant for a small public library. The library opens at nine in "
     "the morning and closes at six in the evening on weekdays, and at one in the afternoon "
     "on Saturdays; it is closed on Sundays and public holidays. Members may borrow up to "
@@ -28,7 +36,7 @@ SHARED = (
     "the book. Children under twelve need a parent's signature to join. The reading room "
     "on the first floor is quiet; the ground floor has the children's corner, the "
     "newspapers and four public computers, which members may book for an hour at a time. "
-) * 4
+)
 QUESTIONS = [
     "When does the library close on Saturdays?",
     "How many books can a member borrow?",
@@ -83,6 +91,21 @@ def one_request(
     return first - start, after_first, arrivals[-1]
 
 
+ITL = "kvd_inter_token_latency_seconds"
+
+
+def handoff_totals(client: httpx.Client, metrics: str) -> tuple[float, float]:
+    """(sum of seconds, count) of the server's inter-token histogram, all tenants."""
+    text = client.get(f"{metrics}/metrics").text
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"{ITL}_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f"{ITL}_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True)
@@ -90,25 +113,38 @@ def main() -> None:
     parser.add_argument("--key", default=None, help="Bearer key (kvd's tenants need one).")
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=4, help="Copies of the shared text.")
+    parser.add_argument("--metrics", default=None, help="kvd's metrics URL (its own gaps).")
     args = parser.parse_args()
+    shared = SHARED_TEXT * args.repeat
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
     ttfts, rates, gaps = [], [], []
     # A connection per request: llama-server closes idle kept-alive ones.
     limits = httpx.Limits(max_keepalive_connections=0)
     with httpx.Client(headers=headers, timeout=300, limits=limits) as client:
-        one_request(client, args.url, args.model, SHARED + "Q: Hello?\nA:", 4)  # warm
+        one_request(client, args.url, args.model, shared + "Q: Hello?\nA:", 4)  # warm
+        before = handoff_totals(client, args.metrics) if args.metrics else None
         for question in QUESTIONS[: args.requests]:
             ttft, after_first, seconds = one_request(
-                client, args.url, args.model, f"{SHARED}Q: {question}\nA:", args.tokens
+                client, args.url, args.model, f"{shared}Q: {question}\nA:", args.tokens
             )
             ttfts.append(ttft)
             rates.append(after_first / seconds)
             gaps.append(seconds / after_first)
+        after = handoff_totals(client, args.metrics) if args.metrics else None
     print(
         f"{args.url}: {len(ttfts)} requests, decode {statistics.median(rates):.1f} tok/s "
-        f"(median), gap {1e3 * statistics.median(gaps):.1f} ms, "
+        f"(median), gap {1e3 * statistics.median(gaps):.2f} ms, "
         f"TTFT p50 {statistics.median(ttfts):.3f} s"
     )
+    if before is not None and after is not None:
+        handoff = (after[0] - before[0]) / max(after[1] - before[1], 1)
+        client_gap = sum(1e3 * g for g in gaps) / len(gaps)
+        print(
+            f"server step loop: {1e3 * handoff:.2f} ms between a request's tokens (mean, "
+            f"{after[1] - before[1]:.0f} gaps); client: {client_gap:.2f} ms (mean); "
+            f"the streaming path costs {client_gap - 1e3 * handoff:+.2f} ms a token"
+        )
 
 
 if __name__ == "__main__":

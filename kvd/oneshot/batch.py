@@ -36,9 +36,16 @@ class Generation:
 
 class BatchGenerator:
     def __init__(
-        self, executor: Executor, *, kv: KVManager | None = None, tenant: str = "batch"
+        self,
+        executor: Executor,
+        *,
+        kv: KVManager | None = None,
+        tenant: str = "batch",
+        overlap: bool = True,
     ) -> None:
-        self.scheduler = Scheduler(executor, SchedulerConfig(mode=BudgetMode.FREE), kv=kv)
+        self.scheduler = Scheduler(
+            executor, SchedulerConfig(mode=BudgetMode.FREE, overlap=overlap), kv=kv
+        )
         self.tenant = tenant
         self.scheduler.set_tenant(TenantConfig(tenant, max_queue=1 << 30))
         self.kv = self.scheduler.kv

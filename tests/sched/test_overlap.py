@@ -176,6 +176,15 @@ def submit_mix(scheduler: Scheduler, vocab: int, free: list[int]) -> None:
         submit(f"shared-{i}", "t", shared + prompt(20 + i, 6, vocab), greedy(16))
 
 
+def _rounded(value: Any) -> Any:
+    """Nested tuples of ids and logprobs, floats to 3 decimals."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, tuple):
+        return tuple(_rounded(v) for v in value)
+    return value
+
+
 def summary(events: dict[str, list[StepEvent]]) -> dict[Any, Any]:
     out = {}
     for reply_id, mine in events.items():
@@ -189,30 +198,39 @@ def summary(events: dict[str, list[StepEvent]]) -> dict[Any, Any]:
                 [e.token for e in evs if e.token is not None],
                 [round(e.logprob, 3) for e in evs if e.token is not None],
                 ends[0].finish_reason,
+                [_rounded(e.top) for e in evs],
+                [_rounded(e.prompt) for e in evs],
             )
     return out
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize(
+    ("preemption", "kv_dtype", "host_pages"), [("recompute", None, 64), ("swap", "int8", 0)]
+)
 def test_overlapped_steps_match_the_serial_loop_on_the_engine(
-    make_engine: MakeEngine, preemption: str
+    make_engine: MakeEngine, preemption: str, kv_dtype: str | None, host_pages: int
 ) -> None:
-    """The tiny model behind the real engine, a pool of 48 blocks for about
-    400 tokens of demand: requests are preempted mid-decode and mid-prefill."""
+    """The tiny model behind the real engine, a pool of 32 blocks for about
+    500 tokens of demand, requests preempted on top (mid-decode and
+    mid-prefill); with the host cache, or with int8 K/V."""
     reference = Scheduler(make_engine(), SchedulerConfig(overlap=False), clock=Clock(10.0))
     reference.set_tenant(TenantConfig("t"))
     reference.submit("free", "t", prompt(1, 70), DRAWN)
     free = [e.token for e in drive(reference)["free"] if e.token is not None]
     runs = {}
     for overlap in (False, True):
-        engine = make_engine(pool_tokens=128)
-        config = SchedulerConfig(mode=BudgetMode.FREE, preemption=preemption, overlap=overlap)
+        engine = make_engine(pool_tokens=128, kv_dtype=kv_dtype)
+        config = SchedulerConfig(
+            mode=BudgetMode.FREE, preemption=preemption, overlap=overlap, host_pages=host_pages
+        )
         scheduler = Scheduler(engine, config, clock=Clock(10.0))
         scheduler.set_tenant(TenantConfig("t", max_queue=64))
         scheduler.kv.enable_events()
         submit_mix(scheduler, engine.vocab_size, free)
         runs[overlap] = summary(drive(scheduler, preempt_at=(3, 8, 14, 21)))
         assert scheduler.preemptions >= 4
+        asked = runs[overlap]["logprobs", 0]
+        assert asked[3][0] is not None and asked[4][0] is not None  # top and prompt logprobs
         stopped_by_id = runs[overlap]["stop-id", 0]
         assert (len(stopped_by_id[0]), stopped_by_id[2]) == (
             ends_at(free, [free[STOP_ID_AT]]),
