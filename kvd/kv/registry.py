@@ -168,7 +168,8 @@ class SequenceRegistry:
         """A placeholder token for each of ``seqs``, sampled by a step just
         dispatched (``lengths``: their token counts before it): the next step
         can be planned around it, and ``resolve_pending`` writes its value."""
-        deque(map(list.append, [seq.tokens for seq in seqs], itertools.repeat(PLACEHOLDER)), maxlen=0)
+        lists = [seq.tokens for seq in seqs]
+        deque(map(list.append, lists, itertools.repeat(PLACEHOLDER)), maxlen=0)
         matrix = self.columns.matrix
         matrix[LENGTH, slots] = lengths + 1
         matrix[LAST_TOKEN, slots] = PLACEHOLDER

@@ -143,7 +143,7 @@ class Admin:
 
     async def status(self) -> dict[str, Any]:
         try:
-            return await self.runtime.call(self._status)  # type: ignore[no-any-return]
+            return await self.runtime.call(self._status, quiet=False)  # type: ignore[no-any-return]
         except EngineFailed:
             raise self.not_ready() from None
 

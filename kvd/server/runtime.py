@@ -242,9 +242,11 @@ class Runtime:
             ticket.accepted.set()
         return len(tickets)
 
-    async def call(self, fn: Callable[[], T]) -> T:
+    async def call(self, fn: Callable[[], T], *, quiet: bool = True) -> T:
         """Run ``fn`` on the step loop at the next step boundary (admin
-        changes: atomic with respect to steps); its exception is re-raised here."""
+        changes: atomic with respect to steps); its exception is re-raised
+        here. ``quiet``: after the step in flight, if any, is read (a change
+        sees every sampled token recorded; a read of figures need not)."""
         done = trio.Event()
         outcome: list[Any] = []
 
@@ -259,7 +261,7 @@ class Runtime:
             outcome.append((False, EngineFailed(f"the engine failed: {self.failure}")))
             done.set()
 
-        self._post(apply, refuse, quiet=True)
+        self._post(apply, refuse, quiet=quiet)
         await done.wait()
         ok, value = outcome[0]
         if not ok:

@@ -26,14 +26,15 @@ VOCAB = LIMITS.vocab_size
 class Alternating:
     """Tokens alternate even and odd, the first even; complete after ``length``."""
 
-    def __init__(self, length: int, seen: list[int] | None = None) -> None:
+    def __init__(self, length: int, seen: list[int] | None = None, vocab: int = VOCAB) -> None:
         self.length = length
         self.seen = list(seen or [])
+        self.vocab = vocab
         self.masks_filled = 0
 
     def fill_mask(self, row: np.ndarray) -> None:
         bits = np.zeros(row.size * BITS, np.uint8)
-        bits[len(self.seen) % 2 : VOCAB : 2] = 1
+        bits[len(self.seen) % 2 : self.vocab : 2] = 1
         row[:] = np.packbits(bits, bitorder="little").view(np.int32)
         self.masks_filled += 1
 
@@ -46,7 +47,7 @@ class Alternating:
         return len(self.seen) >= self.length
 
     def fork(self) -> Alternating:
-        return Alternating(self.length, self.seen)
+        return Alternating(self.length, self.seen, self.vocab)
 
     def error(self) -> str:
         return "the parity breaks"

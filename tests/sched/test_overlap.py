@@ -16,13 +16,13 @@ import pytest
 
 from kvd.kv.columns import PLACEHOLDER
 from kvd.kv.ledger import BudgetMode
-from kvd.sched.constraint import BITS
 from kvd.sched.requests import RequestPhase
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, StepEvent, TenantConfig
 from kvd.sched.simulated import SimulatedExecutor
 from kvd.sched.stepplan import StepPlan
 from tests.sched.conftest import MakeEngine
+from tests.sched.test_constraints import Alternating
 from tests.sched.simulated import Clock, greedy, make_executor
 
 
@@ -30,7 +30,8 @@ class EndsOn:
     """A stop condition over token ids: stops once the output ends with ``pattern``."""
 
     def __init__(self, pattern: list[int]) -> None:
-        self.pattern, self.seen = pattern, []  # type: tuple[list[int], list[int]]
+        self.pattern = pattern
+        self.seen: list[int] = []
 
     def accept(self, token: int) -> bool:
         self.seen.append(token)
@@ -52,29 +53,6 @@ class StopsAfter:
 
     def fork(self) -> StopsAfter:
         return StopsAfter(self.n)
-
-
-class Alternating:
-    """A grammar over ``vocab`` tokens: even and odd alternate; complete after ``length``."""
-
-    def __init__(self, vocab: int, length: int) -> None:
-        self.vocab, self.length, self.seen = vocab, length, []  # type: tuple[int, int, list[int]]
-
-    def fill_mask(self, row: np.ndarray[Any, Any]) -> None:
-        bits = np.zeros(row.size * BITS, np.uint8)
-        bits[len(self.seen) % 2 : self.vocab : 2] = 1
-        row[:] = np.packbits(bits, bitorder="little").view(np.int32)
-
-    def accept(self, token: int) -> bool:
-        ok = token % 2 == len(self.seen) % 2
-        self.seen.append(token)
-        return ok
-
-    def finished(self) -> bool:
-        return len(self.seen) >= self.length
-
-    def fork(self) -> Alternating:
-        return Alternating(self.vocab, self.length)
 
 
 def prompt(seed: int, n: int, vocab: int = 64) -> list[int]:
@@ -117,7 +95,7 @@ def ends_at(free: list[int], stop: list[int]) -> int:
 
 
 def submit_mix(scheduler: Scheduler, vocab: int, free: list[int]) -> None:
-    """Every feature at once. ``free``: a greedy output of the first prompt,
+    """Every feature at once. ``free``: a drawn output of the first prompt,
     from which a stop id and a stop pattern are taken so that both fire
     mid-generation (found only when the token is read: a late stop)."""
     long = prompt(1, 70, vocab)  # past the step's 32 tokens: chunked
@@ -156,7 +134,7 @@ def submit_mix(scheduler: Scheduler, vocab: int, free: list[int]) -> None:
         ),
     )
     submit("stop-id", "t", long, replace(DRAWN, stop_token_ids=(free[STOP_ID_AT],)))
-    submit("stop-pattern", "t", long, DRAWN, stop=EndsOn(pattern(free)))  # type: ignore[arg-type]
+    submit("stop-pattern", "t", long, DRAWN, stop=EndsOn(pattern(free)))
     submit(
         "ignore-eos",
         "t",
@@ -167,11 +145,12 @@ def submit_mix(scheduler: Scheduler, vocab: int, free: list[int]) -> None:
         "logprobs",
         "t",
         prompt(8, 10, vocab),
-        SamplingParams(temperature=0.0, max_tokens=10, logprobs=True, top_logprobs=3,
-                       prompt_logprobs=2),
+        SamplingParams(
+            temperature=0.0, max_tokens=10, logprobs=True, top_logprobs=3, prompt_logprobs=2
+        ),
     )
-    submit("grammar", "t", prompt(9, 10, vocab), greedy(30),
-           constraint=Alternating(vocab, 9))  # type: ignore[arg-type]
+    grammar = Alternating(9, vocab=vocab)
+    submit("grammar", "t", prompt(9, 10, vocab), greedy(30), constraint=grammar)
     for i in range(3):  # the same 40-token start: prefix hits, some from decoded blocks
         submit(f"shared-{i}", "t", shared + prompt(20 + i, 6, vocab), greedy(16))
 
@@ -280,7 +259,7 @@ def test_a_length_stop_costs_no_extra_step_and_another_stop_at_most_one() -> Non
     for overlap in (False, True):
         scheduler, counting = simulated(overlap)
         scheduler.submit("length", "t", PROMPT, greedy(12))
-        scheduler.submit("stop", "t", PROMPT, greedy(12), stop=StopsAfter(1))  # type: ignore[arg-type]
+        scheduler.submit("stop", "t", PROMPT, greedy(12), stop=StopsAfter(1))
         drive(scheduler)
         steps[overlap] = dict(counting.rows)
     # One prefill step samples the first token; 11 decodes the rest.
@@ -293,7 +272,7 @@ def test_a_length_stop_costs_no_extra_step_and_another_stop_at_most_one() -> Non
 def test_a_late_stop_emits_nothing_after_its_end_and_frees_its_pages() -> None:
     scheduler, _ = simulated()
     scheduler.kv.enable_events()
-    request = scheduler.submit("r", "t", PROMPT, greedy(20), stop=StopsAfter(1))  # type: ignore[arg-type]
+    request = scheduler.submit("r", "t", PROMPT, greedy(20), stop=StopsAfter(1))
     events = scheduler.step()  # the prefill dispatched, nothing read yet
     assert events == [] and scheduler.in_flight
     events = scheduler.step()  # its first token read (a stop) as the next step flies

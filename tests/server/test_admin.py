@@ -437,3 +437,29 @@ def test_kvctl_text_of_a_host_cache(tmp_path: Path) -> None:
 
     result = trio.run(main)
     assert result.returncode == 0 and b"HOST QUOTA" in result.stdout, result.stdout
+
+
+async def test_an_admin_change_sees_the_step_in_flight_read(served: Served) -> None:
+    """Steps overlap: a change waits for the step in flight to be read (every
+    sampled token recorded), a read of figures does not; the request goes on."""
+    runtime = served.daemon.runtime
+    assert runtime is not None
+    seen: list[tuple[bool, bool]] = []
+    done = trio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            busy = served.scheduler.in_flight
+            quiet = await runtime.call(lambda: served.scheduler.in_flight)
+            seen.append((busy, quiet))
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        reply = await served.complete(prompt="a long one", max_tokens=40, ignore_eos=True)
+        done.set()
+    assert reply.status_code == 200
+    assert (await reply.get_json())["usage"]["completion_tokens"] == 40
+    assert any(busy for busy, _ in seen)  # steps were in flight between calls
+    assert not any(quiet for _, quiet in seen)  # but never when a change ran
+    await served.assert_whole()
