@@ -15,7 +15,7 @@ inter-token histogram over the same requests: the gap between two tokens as
 the step loop hands them to their stream, in the server's process. The
 difference from the client's gap is what the streaming path costs per token
 (channel, response shaping, SSE framing, the socket). ``--repeat 1`` makes the
-shared prompt about 128 tokens instead of about 464.
+prompt 155 tokens of the 270M's tokenizer instead of 581.
 """
 
 from __future__ import annotations
