@@ -418,6 +418,7 @@ def bench_host_cache(
     "--temperature", type=click.FloatRange(min=0.0, max=MAX_TEMPERATURE), default=0.0,
     show_default=True, help="Every request's (0: greedy).",
 )  # fmt: skip
+@click.option("--serial", is_flag=True, help="The daemon with scheduler.overlap = false.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_http(
     model: str,
@@ -429,6 +430,7 @@ def bench_http(
     max_model_len: int,
     pool: str,
     temperature: float,
+    serial: bool,
     as_json: bool,
 ) -> None:
     """Load a real daemon over loopback HTTP; compare with the in-process scheduler."""
@@ -445,6 +447,7 @@ def bench_http(
         max_model_len,
         pool,
         temperature,
+        not serial,
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 

@@ -50,11 +50,14 @@ class LoadReport(msgspec.Struct, frozen=True):
     itl_p99_s: float
     tokens_per_chunk: float  # streamed tokens per SSE chunk: above 1 when chunks coalesce
     daemon_peak_rss_gib: float | None = None
+    overlap: bool = True  # the daemon's scheduler.overlap
     inprocess_output_tokens_per_s: float | None = None
     http_vs_inprocess: float | None = None
 
 
-def _config(model: str, clients: int, max_model_len: int, pool: str, admin_socket: str) -> str:
+def _config(
+    model: str, clients: int, max_model_len: int, pool: str, admin_socket: str, overlap: bool
+) -> str:
     import hashlib
 
     digest = hashlib.sha256(KEY.encode()).hexdigest()
@@ -78,6 +81,9 @@ max_num_batched_tokens = 512
 
 [pool]
 size = "{pool}"
+
+[scheduler]
+overlap = {"true" if overlap else "false"}
 
 [[tenants]]
 name = "bench"
@@ -254,6 +260,7 @@ def run_http_load(
     max_model_len: int = 1024,
     pool: str = "512MiB",
     temperature: float = 0.0,
+    overlap: bool = True,
 ) -> LoadReport:
     import trio
 
@@ -261,7 +268,9 @@ def run_http_load(
     texts = prompts(4096, system_prompt_rules) if system_prompt_rules else prompts(16)
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "bench.toml"
-        config.write_text(_config(model, clients, max_model_len, pool, f"{tmp}/admin.sock"))
+        config.write_text(
+            _config(model, clients, max_model_len, pool, f"{tmp}/admin.sock", overlap)
+        )
         log(f"starting kvd serve ({model})")
         proc, url, metrics_url = _start_daemon(config, log)
         stats = _Stats()
@@ -307,6 +316,7 @@ def run_http_load(
         itl_p99_s=round(percentile(stats.itl, 0.99), 4),
         tokens_per_chunk=round(stats.tokens / max(1, stats.chunks), 2),
         daemon_peak_rss_gib=peak_rss,
+        overlap=overlap,
     )
     if inprocess:
         log("the same workload in-process (Scheduler.step, no HTTP)")
@@ -374,7 +384,8 @@ def render(report: LoadReport) -> str:
     lines = [
         f"machine: {report.machine}",
         f"model {report.model}: {report.clients} streaming clients, {report.duration_s} s, "
-        f"max_tokens {report.max_tokens} (ignore_eos), temperature {report.temperature:g}",
+        f"max_tokens {report.max_tokens} (ignore_eos), temperature {report.temperature:g}, "
+        f"{'overlapped' if report.overlap else 'serial'} steps",
         f"requests {report.requests} ({report.requests_per_s}/s), 5xx {report.errors_5xx}, "
         f"other errors {report.errors_other}, incomplete streams {report.incomplete_streams}, "
         f"leaked pages {report.leaked_pages}",
