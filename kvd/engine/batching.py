@@ -377,9 +377,11 @@ def pack_decode_step(
     block_size: int,
     num_tokens: int,
     rings: np.ndarray[Any, Any] | None = None,
+    tail: int = 0,
 ) -> np.ndarray[Any, Any]:
     """``pack(assemble_step_batch(...))`` for a step of decodes only (one token
-    per sequence, sequence i's at row i), written straight into the flat buffer.
+    per sequence, sequence i's at row i), written straight into the flat buffer,
+    followed by ``tail`` zeros for the caller's own (no second copy to append them).
 
     Every step runs this, right after the model call has flushed the CPU's
     caches, when each numpy call costs several times its usual fixed price: so
@@ -388,7 +390,8 @@ def pack_decode_step(
     groups, num_seqs, width = tables.shape
     count = len(starts)
     t = num_tokens
-    flat = np.zeros(4 * t + groups * t + groups * num_seqs * width + num_seqs, np.int32)
+    size = 4 * t + groups * t + groups * num_seqs * width + num_seqs
+    flat = np.zeros(size + tail, np.int32)
     rows = np.arange(count, dtype=np.int32)
     flat[:count] = tokens  # tokens
     flat[t + count : 2 * t] = -1  # padding positions

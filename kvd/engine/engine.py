@@ -115,8 +115,8 @@ def run_body(
     shapes = batch_shapes(tokens, max_seqs, width, groups)
     *fields, source = unpack(flat, [*shapes, (tokens,)])
     batch = StepBatch(*fields)
-    known = batch.tokens
-    batch = batch._replace(tokens=jnp.where(source < 0, known, previous[jnp.maximum(source, 0)]))
+    from_device = previous[jnp.maximum(source, 0)]
+    batch = batch._replace(tokens=jnp.where(source < 0, batch.tokens, from_device))
     hidden, pool = body(spec, params, pool, batch)
     every = jax.lax.dynamic_update_slice(every, hidden.astype(every.dtype), (0, 0))
     return final_norm(spec, params, hidden[batch.sample_index]), every, pool
@@ -721,7 +721,6 @@ class Engine:
             seqs, slots, params, before[TABLE_VERSION], before[SERIAL], self._table_edits
         )
         tables = cache.tables[:, rows, :width]
-        source = np.full(tokens_bucket, -1, np.int32)
         if decodes:  # each computes its newest token: the most common step by far
             flat = pack_decode_step(
                 before[LAST_TOKEN],
@@ -730,10 +729,13 @@ class Engine:
                 self.layout.block_size,
                 tokens_bucket,
                 self.rings,
+                tail=tokens_bucket,  # each token's source (run_body)
             )
-            ends = starts + 1
+            source = flat[-tokens_bucket:]
+            source[:] = -1
             if sources is not None:
                 source[:count] = sources
+            ends = starts + 1
         else:
             tokens = [
                 t
@@ -743,12 +745,12 @@ class Engine:
             batch = assemble_step_batch(
                 tokens, starts, counts, tables, self.layout.block_size, tokens_bucket, self.rings
             )
-            flat = pack(batch)
-            ends = batch.positions[batch.sample_index[:count]] + 1
+            source = np.full(tokens_bucket, -1, np.int32)
             if sources is not None:  # such a row computes one token: its newest
                 offsets = np.cumsum(counts) - np.asarray(counts)
                 source[offsets] = sources
-        flat = np.concatenate([flat, source])
+            flat = pack([*batch, source])
+            ends = batch.positions[batch.sample_index[:count]] + 1
         scoring = None if decodes else self._prompt_targets(seqs, counts, starts, rows[:count])
         ints, floats = cache.sampling(rows[:seqs_bucket], ends)
         history = self._histories(rows[:seqs_bucket], seqs, ends)

@@ -59,7 +59,7 @@ from kvd.sched.settings import SchedulerConfig, TenantConfig
 from kvd.sched.stats import SchedulerStats, TenantStats
 from kvd.sched.stepplan import StepPlan
 from kvd.sched.swapspace import SwapSpace
-from kvd.sched.tokens import TokenRecorder
+from kvd.sched.tokens import TokenRecorder, sampling_rows
 
 __all__ = [
     "Rejection",
@@ -356,7 +356,7 @@ class Scheduler:
         else:
             kv.commit_batch(seqs, counts, slots)
         if self.config.overlap:
-            rows = np.flatnonzero(before[COMPUTED] + np.asarray(counts) == before[LENGTH])
+            rows = np.flatnonzero(sampling_rows(counts, before))
             kv.append_pending([seqs[i] for i in rows], slots[rows], before[LENGTH, rows])
             if len(self._source_row) < kv.columns.capacity:
                 grown = np.full(kv.columns.capacity, -1, np.int64)
@@ -393,7 +393,7 @@ class Scheduler:
         constrained = [i for i, r in enumerate(requests) if r.constraint is not None]
         if not constrained:
             return None
-        sampling = before[COMPUTED] + np.asarray(counts) == before[LENGTH]
+        sampling = sampling_rows(counts, before)
         masks = np.full((len(requests), mask_words(self.limits.vocab_size)), -1, np.int32)
         for i in constrained:
             if sampling[i]:

@@ -45,6 +45,13 @@ class Outcome:
         self.by_stop = by_stop
 
 
+def sampling_rows(counts: list[int], before: Array) -> Array:
+    """Which rows of a step sample a token they keep (bool per row): those
+    whose step reaches their known length, not a prefill chunk short of its
+    prompt's end. ``before``: their columns before the step."""
+    return before[COMPUTED] + np.asarray(counts) == before[LENGTH]  # type: ignore[no-any-return]
+
+
 def outcome(
     counts: list[int],
     slots: Array,
@@ -64,7 +71,7 @@ def outcome(
     tokens, a request's stop ids and its length here, its stop strings and
     its grammar's end by the recorder that follows."""
     length = before[LENGTH]
-    sampled = before[COMPUTED] + np.asarray(counts) == length  # not a prefill chunk
+    sampled = sampling_rows(counts, before)
     keep = None
     if not sampled.all():
         keep = np.flatnonzero(sampled)
