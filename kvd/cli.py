@@ -509,15 +509,25 @@ def bench_flood(
 @click.option("--running", default="64,256,1024", show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--no-crossover", is_flag=True, help="Skip measuring rates on the 270M model.")
+@click.option(
+    "--nano-vllm", "nano_vllm", type=click.Path(file_okay=False, path_type=Path),
+    help="A nano-vllm checkout: time its scheduler at each size in the same run (needs xxhash).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_scheduler(running: str, steps: int, no_crossover: bool, as_json: bool) -> None:
+def bench_scheduler(
+    running: str, steps: int, no_crossover: bool, nano_vllm: Path | None, as_json: bool
+) -> None:
     """Scheduler host overhead per step, and the measured recompute/swap crossover."""
+    from kvd.bench.nanovllm import AnchorUnavailable
     from kvd.bench.scheduler import render, run_scheduler_bench
 
     sizes = _positive_list(running, "--running")
-    report = run_scheduler_bench(
-        sizes, steps, not no_crossover, lambda text: click.echo(text, err=True)
-    )
+    try:
+        report = run_scheduler_bench(
+            sizes, steps, not no_crossover, lambda text: click.echo(text, err=True), nano_vllm
+        )
+    except AnchorUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 

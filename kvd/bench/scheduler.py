@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -29,6 +30,9 @@ class OverheadFigures(msgspec.Struct, frozen=True):
     p50_ms: float
     p99_ms: float
     device_ms: float
+    # nano-vllm's schedule() + postprocess() at as many sequences, timed in
+    # the same run (kvd.bench.nanovllm); None without a checkout.
+    anchor_p50_ms: float | None = None
 
 
 class SchedulerBenchReport(msgspec.Struct, frozen=True):
@@ -39,6 +43,7 @@ class SchedulerBenchReport(msgspec.Struct, frozen=True):
     copy_bytes_per_s: float | None = None
     crossover_tokens: int | None = None
     crossover_note: str | None = None
+    anchor: str | None = None
 
 
 def bench_overhead(running: int, steps: int) -> OverheadFigures:
@@ -96,13 +101,26 @@ def run_scheduler_bench(
     steps: int = 50,
     measure_crossover: bool = True,
     say: Callable[[str], None] = lambda _text: None,
+    nano_vllm: Path | None = None,
 ) -> SchedulerBenchReport:
+    """``nano_vllm``: a nano-vllm checkout, whose scheduler is timed at each
+    size right after kvd's (``kvd.bench.nanovllm``)."""
+    from kvd.bench import nanovllm
+
+    if nano_vllm is not None:
+        nanovllm.load(nano_vllm)  # a missing checkout fails before the long part
     overhead = []
     for running in sizes:
         say(f"scheduler overhead at {running} running sequences")
-        overhead.append(bench_overhead(running, steps))
+        figures = bench_overhead(running, steps)
+        if nano_vllm is not None:
+            say(f"nano-vllm's scheduler at {running} running sequences")
+            p50, _mean = nanovllm.overhead_ms(nano_vllm, running, steps)
+            figures = msgspec.structs.replace(figures, anchor_p50_ms=p50)
+        overhead.append(figures)
+    anchor = None if nano_vllm is None else f"nano-vllm at {nano_vllm}"
     if not measure_crossover:
-        return SchedulerBenchReport(machine_description(), overhead)
+        return SchedulerBenchReport(machine_description(), overhead, anchor=anchor)
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, load_model
     from kvd.sched.costmodel import measure_rates
@@ -123,6 +141,7 @@ def run_scheduler_bench(
         rates.copy_bytes_per_s,
         crossover,
         note,
+        anchor,
     )
 
 
@@ -132,13 +151,22 @@ def render(report: SchedulerBenchReport) -> str:
         "the model call excluded), all sequences decoding, four tenants",
         f"machine: {report.machine}",
         "",
-        f"{'running':>8} {'steps':>6} {'mean ms':>9} {'p50 ms':>8} {'p99 ms':>8} {'model ms':>9}",
+        f"{'running':>8} {'steps':>6} {'mean ms':>9} {'p50 ms':>8} {'p99 ms':>8} {'model ms':>9}"
+        + ("" if report.anchor is None else f" {'nano-vllm p50':>14} {'ratio':>6}"),
     ]
     for f in report.overhead:
-        lines.append(
+        line = (
             f"{f.running:>8} {f.steps:>6} {f.mean_ms:>9.3f} {f.p50_ms:>8.3f} {f.p99_ms:>8.3f} "
             f"{f.device_ms:>9.2f}"
         )
+        if f.anchor_p50_ms is not None:
+            line += f" {f.anchor_p50_ms:>14.3f} {f.p50_ms / f.anchor_p50_ms:>5.1f}x"
+        lines.append(line)
+    if report.anchor is not None:
+        lines += [
+            f"anchor: {report.anchor}, schedule() + postprocess() per decode step, 256-token",
+            "blocks, each sequence a 256-token shared prefix + 256 unique tokens (PERF.md)",
+        ]
     if report.prefill_tokens_per_s is not None and report.copy_bytes_per_s is not None:
         lines += [
             "",

@@ -25,3 +25,33 @@ def test_decode_packing_equals_the_general_packing(
     )
     fast = pack_decode_step(tokens, starts, tables, block_size, num_tokens)
     assert fast.dtype == general.dtype and np.array_equal(fast, general)
+
+
+def test_sampling_rows_are_gathered_once_and_never_written_after() -> None:
+    """Steady decode asks for the same rows step after step: the gathered
+    floats are reused as they are, each step gets its own ints (they carry
+    positions), and a row written anew (a new sequence there) is seen at once.
+    An array handed to one step is never changed by a later one: that step
+    may still be reading it."""
+    from kvd.engine.batching import SequenceRows
+    from kvd.kv.columns import SequenceColumns
+    from kvd.kv.sequence import Sequence
+    from kvd.sched.sampling_params import SamplingParams
+
+    columns = SequenceColumns(4)
+    seqs = [Sequence(i, "t", [1, 2, 3], 0, i, None, 1, columns) for i in range(2)]
+    slots = np.array([seq.slot for seq in seqs])
+    cache = SequenceRows(groups=1, width=4)
+    warm, cold = SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, seed=2)
+    rows = cache.prepare(seqs, slots, [warm, cold], np.zeros(2, np.int64), np.array([1, 2]))
+    ints, floats = cache.sampling(rows, np.array([5, 6]))
+    again, floats_again = cache.sampling(rows, np.array([7, 8]))
+    width = len(ints) // 2
+    assert floats_again is floats and floats[0] == pytest.approx(0.7)
+    assert ints[[2, width + 2]].tolist() == [5, 6] and again[[2, width + 2]].tolist() == [7, 8]
+    replaced = SamplingParams(temperature=0.2, seed=3)  # a new sequence in the first row
+    cache.prepare(seqs, slots, [replaced, None], np.zeros(2, np.int64), np.array([3, 2]))
+    _ints, fresh = cache.sampling(rows, np.array([9, 10]))
+    assert fresh[0] == pytest.approx(0.2) and fresh[len(fresh) // 2] == pytest.approx(1.3)
+    assert floats[0] == pytest.approx(0.7)  # the earlier steps' array is as it was
+    assert ints[2] == 5 and again[2] == 7

@@ -309,6 +309,9 @@ def test_bench_scheduler_prints_figures() -> None:
     assert all(f["mean_ms"] > 0 and f["device_ms"] > 0 for f in report["overhead"])
     bad = CliRunner().invoke(cli, ["bench", "scheduler", "--running", "8,x"], prog_name="kvd")
     assert bad.exit_code == 2 and "--running" in bad.stderr
+    missing = ["bench", "scheduler", "--running", "8", "--nano-vllm", "/nonexistent/nano-vllm"]
+    no_anchor = CliRunner().invoke(cli, missing, prog_name="kvd")
+    assert no_anchor.exit_code == 1 and "holds no nanovllm/engine/scheduler.py" in no_anchor.stderr
 
 
 def test_a_request_that_can_never_fit_is_refused_at_once(engine) -> None:  # type: ignore[no-untyped-def]
