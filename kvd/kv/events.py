@@ -11,15 +11,24 @@ daemon's publisher) to take once per step. Nothing here does I/O.
 Tenancy: a block's key is scoped by tenant and ``cache_salt``
 (``kvd.kv.scope``), so two tenants' blocks with the same tokens are two
 blocks. A router that matched on token ids alone would believe bob can hit
-alice's blocks; so each stored block carries its scope in ``extra_keys``, as
-vLLM carries ``cache_salt``: ``("tenant", name, salt)`` (or ``("shared",
-salt)`` under the shared policy) for a private block, ``None`` for a block of
-an operator-declared public prefix, which every tenant may hit. How much a
-private block's event reveals is the operator's choice (``PrivateBlocks``).
+alice's blocks; so each stored block carries its scope as the routers spell a
+cache salt: a namespace (``tenant:NAME``, ``tenant:NAME:SALT``, ``shared`` or
+``shared:SALT``) tagged ``dynamo-cache-salt:`` in its ``extra_keys`` entry (and,
+in the map form, a top-level ``cache_salt``), so Dynamo indexes it in that
+namespace and llm-d folds it into its keys, as vLLM folds ``cache_salt``. A
+block of an operator-declared public prefix, which every tenant may hit,
+carries none. One event never mixes namespaces: a consumer reads an event's
+namespace once, from its first block. How much a private block's event
+reveals is the operator's choice (``PrivateBlocks``).
 
-Block hashes go out as 63-bit integers taken from kvd's keyed 32-byte hashes
-(decoders type them as int64 or uint64; both hold these), stable for the
-process's life: the keyed hash's secret never leaves it.
+Two wire forms (``EventEncoding``): arrays in vLLM's field order (what
+llm-d decodes, and Dynamo) or maps tagged by ``"type"`` (newer vLLM;
+Dynamo). The batch is ``[ts, events, data_parallel_rank]`` either way.
+
+Block hashes go out as integers from kvd's keyed 32-byte hashes with bit 62
+set: every one is at least 2**32, so it travels as a 64-bit msgpack integer
+(llm-d's decoder refuses narrower ones), and fits int64 and uint64 alike. They
+are stable for the process's life: the keyed hash's secret never leaves it.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ CacheKey = tuple[int, bytes]
 
 GPU, CPU = "GPU", "CPU"  # vLLM's medium names: the device pool, the host cache
 FULL_ATTENTION, SLIDING_WINDOW = "full_attention", "sliding_window"
+# How a cache salt is tagged in extra_keys (Dynamo's convention: a bare string
+# there could be a LoRA name or a multimodal hash).
+SALT_TAG = "dynamo-cache-salt:"
 
 
 class PrivateBlocks(enum.StrEnum):
@@ -53,6 +65,19 @@ class PrivateBlocks(enum.StrEnum):
     TOKEN_IDS = "token_ids"
     HASHES = "hashes"
     NONE = "none"
+
+
+class EventEncoding(enum.StrEnum):
+    """How each event goes on the wire.
+
+    - ``array``: ``[tag, field, ...]`` in vLLM's field order (vLLM's
+      ``array_like`` form, which llm-d decodes; Dynamo too);
+    - ``map``: a map tagged by ``"type"`` (vLLM's newer form; Dynamo), with a
+      scoped block's namespace also as a top-level ``cache_salt``.
+    """
+
+    ARRAY = "array"
+    MAP = "map"
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -71,6 +96,26 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # The namespace of every block of the event, None for public ones (map
+    # form only: vLLM's arrays have no slot for it).
+    cache_salt: str | None = None
+
+
+# vLLM's field order for the array form, after the tag.
+STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 class BlockRemoved(KVCacheEvent):
@@ -90,13 +135,30 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
     """One published message: ``[ts, events, data_parallel_rank]``."""
 
     ts: float
-    events: list[Event]
+    events: list[Any]  # Events, or their arrays (``on_wire``)
     data_parallel_rank: int | None = 0
 
 
+def on_wire(batch: EventBatch, encoding: EventEncoding) -> EventBatch:
+    """``batch`` as ``encoding`` sends it (the events, taken, never change)."""
+    if encoding is EventEncoding.MAP:
+        return batch
+    return EventBatch(batch.ts, [as_array(e) for e in batch.events], batch.data_parallel_rank)
+
+
+def as_array(event: Event) -> list[Any]:
+    """vLLM's ``array_like`` form of an event: its tag, then its fields."""
+    if isinstance(event, BlockStored):
+        return ["BlockStored", *(getattr(event, name) for name in STORED_FIELDS)]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", *(getattr(event, name) for name in REMOVED_FIELDS)]
+    return ["AllBlocksCleared"]
+
+
 def external_hash(block_hash: bytes) -> int:
-    """The 63-bit integer a block's hash is published as."""
-    return int.from_bytes(block_hash[:8], "big") >> 1
+    """The integer a block's hash is published as: 62 bits of it, with bit 62
+    set (so at least 2**32: a 64-bit msgpack integer), below 2**63."""
+    return int.from_bytes(block_hash[:8], "big") >> 2 | 1 << 62
 
 
 class GroupSpec(msgspec.Struct, frozen=True):
@@ -112,19 +174,32 @@ class _Meta(msgspec.Struct, gc=False):
 
     parent: bytes | None
     tokens: tuple[int, ...]
-    extra: tuple[Any, ...] | None
-    private: bool
+    namespace: str | None  # None: a public block
     media: int = 0  # bit 1: on the device, bit 2: on the host cache
+
+    @property
+    def private(self) -> bool:
+        return self.namespace is not None
 
 
 _MEDIUM_BIT = {GPU: 1, CPU: 2}
 
 
-def scope_key(scope: bytes) -> tuple[Any, ...] | None:
-    """A block's ``extra_keys`` entry: its scope decoded, None if public."""
+def scope_namespace(scope: bytes) -> str | None:
+    """A block's scope as a router's cache-salt namespace, None if public:
+    ``tenant:NAME`` or ``shared``, then ``:SALT`` for a request's
+    ``cache_salt`` (tenant names hold no ``:``, so the first two parts are
+    unambiguous)."""
     if scope == PUBLIC_SCOPE:
         return None
-    return tuple(msgspec.msgpack.decode(scope))
+    kind, *rest = msgspec.msgpack.decode(scope)
+    *owner, salt = rest
+    return ":".join([kind, *owner] + ([] if salt is None else [salt]))
+
+
+def extra_keys_entry(namespace: str | None) -> list[str] | None:
+    """A block's ``extra_keys`` entry: its namespace, tagged; None if public."""
+    return None if namespace is None else [SALT_TAG + namespace]
 
 
 class KVEventLog:
@@ -158,8 +233,7 @@ class KVEventLog:
         """A computed block became findable on the device."""
         meta = self._meta.get(key)
         if meta is None:
-            extra = scope_key(scope)
-            meta = _Meta(parent, tuple(tokens), extra, extra is not None)
+            meta = _Meta(parent, tuple(tokens), scope_namespace(scope))
             self._meta[key] = meta
         self._add(key, meta, GPU)
 
@@ -216,9 +290,11 @@ class KVEventLog:
 
     def _tell_stored(self, key: CacheKey, meta: _Meta, medium: str) -> None:
         """A ``BlockStored`` for the block, or the block added to its group's
-        open event if it continues that event's chain: one event per group
-        and run of blocks, as vLLM sends them. (Groups are indexed apart, so
-        a block joining an event ahead of another group's is in order.)"""
+        open event if it continues that event's chain in the same namespace:
+        one event per group, run of blocks and namespace (a consumer reads
+        an event's namespace from its first block). Groups are indexed
+        apart, so a block joining an event ahead of another group's is in
+        order."""
         group, block_hash = key
         with_tokens = not meta.private or self.private_blocks is PrivateBlocks.TOKEN_IDS
         parent = external_hash(meta.parent) if meta.parent is not None else None
@@ -227,13 +303,14 @@ class KVEventLog:
         if (
             open_event is not None
             and open_event.block_hashes[-1] == parent
+            and open_event.cache_salt == meta.namespace
             and bool(open_event.token_ids) == (with_tokens and bool(meta.tokens))
         ):
             open_event.block_hashes.append(told)
             if with_tokens:
                 open_event.token_ids.extend(meta.tokens)
             assert open_event.extra_keys is not None
-            open_event.extra_keys.append(meta.extra)
+            open_event.extra_keys.append(extra_keys_entry(meta.namespace))
             return
         spec = self.groups[group] if group < len(self.groups) else GroupSpec(FULL_ATTENTION)
         event = BlockStored(
@@ -244,10 +321,11 @@ class KVEventLog:
             lora_id=None,
             medium=medium,
             lora_name=None,
-            extra_keys=[meta.extra],
+            extra_keys=[extra_keys_entry(meta.namespace)],
             group_idx=group,
             kv_cache_spec_kind=spec.kind,
             kv_cache_spec_sliding_window=spec.sliding_window,
+            cache_salt=meta.namespace,
         )
         self._events.append(event)
         self._open[(group, medium)] = event

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvd.kv.events import PrivateBlocks
+from kvd.kv.events import EventEncoding, PrivateBlocks
 from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.ledger import BudgetMode, tenant_name_problem
 from kvd.kv.scope import SharingPolicy
@@ -117,6 +117,9 @@ class KVEventsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     buffer_steps: int = 10_000  # batches kept for replays
     max_queue: int = 10_000  # batches waiting for the publisher thread; past it, a resync
     private_blocks: PrivateBlocks = PrivateBlocks.TOKEN_IDS
+    # Each event as an array in vLLM's field order (llm-d decodes only these;
+    # Dynamo both) or as a map tagged by "type" (newer vLLM).
+    encoding: EventEncoding = EventEncoding.ARRAY
 
 
 class PrefixEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

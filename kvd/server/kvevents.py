@@ -3,10 +3,15 @@ gateways over ZMQ, in vLLM's wire format, off the step's path.
 
 Each message on the PUB socket is ``[topic, seq, payload]``: ``seq`` an
 8-byte big-endian counter from 0, ``payload`` a msgpack ``[ts, events,
-data_parallel_rank]`` (``kvd.kv.events``). A subscriber that sees a gap in
-``seq`` asks the ROUTER replay socket for the batches from a sequence on (an
-8-byte big-endian start), and gets each buffered one as ``[seq, payload]``,
-then ``[-1, b""]``.
+data_parallel_rank]``, each event an array or a map (``kv_events.encoding``;
+``kvd.kv.events``). A subscriber that sees a gap in ``seq`` asks the ROUTER
+replay socket for the batches from a sequence on (an 8-byte big-endian
+start), and gets each buffered one as ``[seq, payload]``, then ``[-1, b""]``.
+
+The socket is an XPUB, so it hears each subscriber arrive: the next batch is
+then a resync (``AllBlocksCleared`` and every block held), so a router that
+starts or reconnects after the replica learns what it already holds, which a
+plain PUB would never tell it (and a replay only as far back as its buffer).
 
 The step loop hands each step's events over with ``offer``, which never
 blocks: the batch goes into a bounded queue that one thread drains to the
@@ -27,7 +32,7 @@ import msgspec
 import structlog
 import zmq
 
-from kvd.kv.events import EventBatch, KVEventLog, batch
+from kvd.kv.events import EventBatch, EventEncoding, KVEventLog, batch, on_wire
 from kvd.server.config import KVEventsSection
 
 log = structlog.get_logger("kvd.kvevents")
@@ -52,8 +57,9 @@ class KVEventPublisher:
         self.rank = rank
         self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=section.max_queue)
         self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
+        self._pub = self._context.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's arrival, not the first
         self._replay: zmq.Socket[bytes] | None = None
         try:
             self._open(self._pub, section.endpoint, binds(section.endpoint), "endpoint")
@@ -73,11 +79,16 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=section.buffer_steps)
         self._next_seq = 0
         self._resync = False
+        # Set by the publisher thread when a subscriber arrives, read and
+        # cleared by the step loop's offer (a bool: atomic under the GIL).
+        self._joined = False
+        self.encoding = EventEncoding(section.encoding)
         # Read by the metrics (ints: a torn read is impossible under the GIL).
         self.accepted = 0  # batches queued
         self.published = 0  # batches sent
         self.overflows = 0  # batches not queued: the queue was full
         self.replays = 0  # replay requests answered
+        self.subscribers_joined = 0
         self._log: KVEventLog | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -100,18 +111,24 @@ class KVEventPublisher:
         self._log = events
 
     def offer(self) -> None:
-        """Queue what the attached log holds since the last call; never blocks."""
+        """Queue what the attached log holds since the last call; never blocks.
+        The batch is a resync after an overflow or a subscriber's arrival."""
         events = self._log
-        if events is None or not (events.pending() or self._resync):
+        joined = self._joined
+        if joined:
+            self._joined = False
+        if events is None or not (events.pending() or self._resync or joined):
             return
         if self._queue.full():
             self.overflows += 1
             self._resync = True
             events.take()  # superseded by the resync
             return
-        taken = events.resync() if self._resync else events.take()
         if self._resync:
-            log.warning("kv_events.resync", overflows=self.overflows)
+            log.warning("kv_events.resync", reason="overflow", overflows=self.overflows)
+        elif joined:
+            log.info("kv_events.resync", reason="subscriber_joined")
+        taken = events.resync() if self._resync or joined else events.take()
         self._resync = False
         self._queue.put_nowait(batch(taken, self.rank))
         self.accepted += 1
@@ -139,10 +156,14 @@ class KVEventPublisher:
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)  # subscriptions
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         while not self._stopping.is_set():
-            if self._replay is not None and poller.poll(0):
+            ready = dict(poller.poll(0))
+            if self._pub in ready:
+                self._hear_subscriptions()
+            if self._replay is not None and self._replay in ready:
                 self._answer_replay()
             try:
                 item = self._queue.get(timeout=_POLL_S)
@@ -150,7 +171,7 @@ class KVEventPublisher:
                 continue
             if item is None:
                 return
-            payload = encoder.encode(item)
+            payload = encoder.encode(on_wire(item, self.encoding))
             seq = self._next_seq
             self._next_seq += 1
             try:
@@ -159,6 +180,19 @@ class KVEventPublisher:
                 log.warning("kv_events.send_failed", error=str(exc), seq=seq)
             self._buffer.append((seq, payload))
             self.published += 1
+
+    def _hear_subscriptions(self) -> None:
+        """Read what subscribers sent the XPUB; an arrival (a subscribe
+        message, first byte 1) asks the step loop for a resync."""
+        while True:
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01":
+                self.subscribers_joined += 1
+                self._joined = True
+                log.info("kv_events.subscriber_joined", topic=message[1:].decode(errors="replace"))
 
     def _answer_replay(self) -> None:
         assert self._replay is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.kv import KVManager, PageLayout
-from kvd.kv.events import GPU, BlockStored, PrivateBlocks, external_hash
+from kvd.kv.events import GPU, BlockStored, EventEncoding, PrivateBlocks, external_hash
 from kvd.kv.sequence import Sequence
 from tests.kv.conftest import BLOCK, Subscriber, make_kv
 
@@ -34,10 +34,13 @@ def view(kv: KVManager, medium: str = GPU) -> set[tuple[int, int]]:
     return {(g, external_hash(h)) for g, h in index}
 
 
-def test_a_subscriber_learns_each_tenants_blocks_with_their_scope(layout: PageLayout) -> None:
+@pytest.mark.parametrize("encoding", list(EventEncoding))
+def test_a_subscriber_learns_each_tenants_blocks_with_their_scope(
+    layout: PageLayout, encoding: EventEncoding
+) -> None:
     kv = make_kv(layout)
     events = kv.enable_events()
-    sub = Subscriber()
+    sub = Subscriber(encoding)
     kv.add_public_prefix("system", PREFIX)
     prompt = [*PREFIX, 1, 2, 3, 4, 5]  # 2 public blocks, 1 private, 1 token over
     run(kv, 1, "a", prompt)
@@ -49,13 +52,9 @@ def test_a_subscriber_learns_each_tenants_blocks_with_their_scope(layout: PageLa
     # the same tokens, three scopes, three hashes.
     third = [k for k, t in sub.tokens.items() if t == [1, 2, 3, 4]]
     assert len({h for _, h in third}) == 3
-    assert {sub.extra[k] for k in third} == {
-        ("tenant", "a", None),
-        ("tenant", "b", None),
-        ("tenant", "b", "s"),
-    }
+    assert {sub.namespace[k] for k in third} == {"tenant:a", "tenant:b", "tenant:b:s"}
     public = [k for k, t in sub.tokens.items() if t in (PREFIX[:BLOCK], PREFIX[BLOCK:])]
-    assert public and all(sub.extra[k] is None for k in public)
+    assert public and all(sub.namespace[k] is None for k in public)
     # Each private block's parent is the public chain's last block.
     last_public = {h for (g, h), t in sub.tokens.items() if t == PREFIX[BLOCK:]}
     assert all(sub.parents[k] in last_public for k in third)
@@ -71,7 +70,7 @@ def test_the_operator_chooses_what_a_private_block_reveals(
     kv.add_public_prefix("system", PREFIX)
     run(kv, 1, "a", [*PREFIX, 1, 2, 3, 4, 5])
     sub.apply(events.take())
-    private = {k for k, extra in sub.extra.items() if extra is not None}
+    private = {k for k, namespace in sub.namespace.items() if namespace is not None}
     public = sub.held(GPU) - private
     assert public and all(sub.tokens[k] for k in public)  # public text is always told
     if choice is PrivateBlocks.TOKEN_IDS:

@@ -15,7 +15,7 @@ import pytest
 import trio
 import zmq
 
-from kvd.kv.events import GPU, KVEventLog, PrivateBlocks, external_hash
+from kvd.kv.events import GPU, EventEncoding, KVEventLog, PrivateBlocks, external_hash
 from kvd.kv.scope import PUBLIC_SCOPE
 from kvd.server.config import ConfigError, load_config
 from kvd.server.kvevents import END_OF_REPLAY, KVEventPublisher, KVEventsError
@@ -109,10 +109,10 @@ async def test_a_gateway_following_the_events_holds_what_the_pool_holds(tmp_path
             assert len(gateway.held(GPU)) == status["pool"]["cached"] > 0
             assert len(gateway.held("CPU")) == status["host"]["cached_pages"]
             first_events = batches[0][1][1]
-            assert first_events[0] == {"type": "AllBlocksCleared"}
+            assert first_events[0] == ["AllBlocksCleared"]  # arrays: the default form
             # Alice's and Bob's identical prompts are two scopes a router can tell apart.
-            scopes = {extra for extra in gateway.extra.values() if extra is not None}
-            assert {s[:2] for s in scopes} >= {("tenant", "alice"), ("tenant", "bob")}
+            scopes = {n for n in gateway.namespace.values() if n is not None}
+            assert scopes >= {"tenant:alice", "tenant:bob"}
             # The live stream: [topic, 8-byte seq, msgpack batch] (a late
             # subscriber may miss the first ones: that is what replays are for).
             await served.complete(BOB, "one more for the live socket", max_tokens=2)
@@ -125,7 +125,7 @@ async def test_a_gateway_following_the_events_holds_what_the_pool_holds(tmp_path
             assert topic == b"kvd" and len(seq) == 8
             ts, events, rank = msgspec.msgpack.decode(payload)
             kinds = {"AllBlocksCleared", "BlockStored", "BlockRemoved"}
-            assert events and all(event["type"] in kinds for event in events)
+            assert events and all(event[0] in kinds for event in events)
             metrics = await served.metrics()
             assert metrics["kvd_kv_event_batches_total"] >= len(batches)
             assert metrics["kvd_kv_event_replays_total"] == 1
@@ -133,6 +133,42 @@ async def test_a_gateway_following_the_events_holds_what_the_pool_holds(tmp_path
         finally:
             sub.close(linger=0)
             live.term()
+
+
+async def test_a_router_that_subscribes_late_learns_what_the_pool_holds(tmp_path: Path) -> None:
+    """No replay asked: the XPUB hears the subscriber arrive and the next
+    batch is a resync, here in the map form (``encoding = "map"``)."""
+    config, pub, _ = events_config(tmp_path, encoding="map")
+    async with serving(tmp_path, config_path=config) as served:
+        for key in (ALICE, BOB):
+            reply = await served.complete(key, PROMPT, max_tokens=4)
+            assert reply.status_code == 200
+        await published_all(served)
+        context = zmq.Context()
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 30_000)
+        sub.connect(pub)
+        try:
+            gateway = Subscriber(EventEncoding.MAP)
+
+            def follow_until_resynced() -> None:
+                while True:  # batches before the resync may be partial: skipped
+                    _topic, _seq, payload = sub.recv_multipart()
+                    _ts, events, _rank = msgspec.msgpack.decode(payload)
+                    if events and events[0] == {"type": "AllBlocksCleared"}:
+                        gateway.apply_decoded(events)
+                        return
+
+            await trio.to_thread.run_sync(follow_until_resynced)
+            await published_all(served)  # the daemon is idle: nothing follows
+            assert gateway.held(GPU) == pool_view(served) != set()
+            assert {n for n in gateway.namespace.values()} >= {"tenant:alice", "tenant:bob"}
+            assert served.daemon.kv_events is not None
+            assert served.daemon.kv_events.subscribers_joined == 1
+        finally:
+            sub.close(linger=0)
+            context.term()
 
 
 async def test_private_blocks_can_be_kept_from_the_gateway(tmp_path: Path) -> None:
@@ -148,7 +184,7 @@ async def test_private_blocks_can_be_kept_from_the_gateway(tmp_path: Path) -> No
         apply_batches(gateway, await trio.to_thread.run_sync(replay_from, replay, 0))
         told = gateway.held(GPU)
         assert told and told < pool_view(served)  # the public prefix, not alice's own blocks
-        assert all(gateway.extra[key] is None for key in told)
+        assert all(gateway.namespace[key] is None for key in told)
 
 
 class HeldPublisher(KVEventPublisher):
@@ -198,6 +234,9 @@ def test_a_bad_kv_events_section_is_one_line(tmp_path: Path) -> None:
         load_config(config)
     config, _, _ = events_config(tmp_path, private_blocks="some")
     with pytest.raises(ConfigError, match="kv_events.private_blocks"):
+        load_config(config)
+    config, _, _ = events_config(tmp_path, encoding="json")
+    with pytest.raises(ConfigError, match="kv_events.encoding"):
         load_config(config)
     # Any port (the OS picks: the log says which), then one already taken.
     config, _, _ = events_config(
