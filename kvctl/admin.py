@@ -104,6 +104,14 @@ def _weights(model: dict[str, Any]) -> str:
     return kind if not held else f"{kind} {held / 2**20:.0f} MiB"
 
 
+def _findable(pool: dict[str, Any]) -> str:
+    """The prefix cache's findable blocks (a router's index holds the global ones)."""
+    found = pool.get("findable_blocks")
+    if not found:
+        return ""
+    return f"; findable blocks: {found['global']} full-attention, {found['sliding']} sliding"
+
+
 def render_status(s: dict[str, Any]) -> str:
     pool = s["pool"]
     page_mib = pool["page_bytes"] / 2**20
@@ -116,7 +124,8 @@ def render_status(s: dict[str, Any]) -> str:
         f"KV {s['model'].get('kv_dtype', s['model']['dtype'])}, "
         f"context {s['model']['max_model_len']})",
         f"pool {pool['pages']} pages x {page_mib:.3g} MiB: used {pool['used']}, "
-        f"cached {pool['cached']}, free {pool['free']}, reserved {pool['reserved']}",
+        f"cached {pool['cached']}, free {pool['free']}, reserved {pool['reserved']}"
+        + _findable(pool),
         f"budget {s['budget_mode']}, sharing {s['sharing_policy']}, "
         f"{'DRAINING' if s['draining'] else 'serving'}, {s['in_flight']} in flight "
         f"(running {s['requests']['running']}, waiting {s['requests']['waiting']}, "

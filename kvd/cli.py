@@ -534,22 +534,34 @@ def bench_scheduler(
 @bench.command("fleet")
 @click.option("--replicas", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option(
-    "--policy", "policies", default="round_robin,cache_aware", show_default=True,
-    help="smg routing policies to compare, comma-separated.",
+    "--policy", "policies", default="one_replica,round_robin,cache_aware,kv_events",
+    show_default=True,
+    help="Comma-separated: smg's policies (round_robin, cache_aware, power_of_two, random), "
+    "kv_events (each request to the replica Dynamo's KV indexer scores highest), "
+    "one_replica (every request to the first replica).",
 )  # fmt: skip
 @click.option("--clients", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--quick", is_flag=True, help="The tiny random model: a smoke run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_fleet(replicas: int, policies: str, clients: int, quick: bool, as_json: bool) -> None:
     """Replicas behind a real gateway (smg): prefix-cache hits, TTFT, tokens/s per policy."""
-    from kvd.bench.fleet import render, run_fleet_bench
+    from kvd.bench.fleet import KV_EVENTS, ONE_REPLICA, SMG_POLICIES, render, run_fleet_bench
 
     chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
     if not chosen:
         raise click.BadParameter("name at least one policy", param_hint="--policy")
-    report = run_fleet_bench(
-        replicas, chosen, clients, quick=quick, say=lambda text: click.echo(text, err=True)
-    )
+    known = (*SMG_POLICIES, KV_EVENTS, ONE_REPLICA)
+    for policy in chosen:
+        if policy not in known:
+            raise click.BadParameter(
+                f"unknown policy {policy!r}: one of {', '.join(known)}", param_hint="--policy"
+            )
+    try:
+        report = run_fleet_bench(
+            replicas, chosen, clients, quick=quick, say=lambda text: click.echo(text, err=True)
+        )
+    except RuntimeError as exc:  # a gateway or the indexer that would not start
+        raise click.ClickException(str(exc)) from exc
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 

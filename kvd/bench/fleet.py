@@ -1,8 +1,14 @@
 """``kvd bench fleet``: kvd replicas behind a real inference gateway (smg),
-routed blindly and by prefix.
+routed blindly, by the gateway's own prefix tree, and by the replicas' KV
+events.
 
 N ``kvd serve`` replicas start on loopback, and ``smg`` in front of them, once
-per routing policy (the replicas' caches flushed between policies). The
+per smg routing policy (the replicas' caches flushed between policies).
+``kv_events`` is the precise prefix routing of llm-d and Dynamo: NVIDIA
+Dynamo's KV indexer (PyPI ``ai-dynamo-runtime``) follows every replica's
+events, and each request goes straight to the replica it scores highest for
+the prompt in the tenant's namespace (the least busy one on a tie).
+``one_replica`` sends everything to the first replica: the baseline. The
 workload is what makes a prefix cache pay: four tenants, each with documents
 of its own that it asks several questions about, sent by concurrent clients
 in a shuffled order, each with its tenant's own key (which the gateway
@@ -10,7 +16,11 @@ forwards). Reported per policy: the share of prompt tokens the fleet served
 from its caches (what re-prefilling costs when a gateway spreads a prefix
 over replicas), TTFT and throughput as clients saw them, and the requests
 each replica took. ``ideal`` is the share one unbounded cache would serve:
-every prompt block already seen, of the same tenant, hit.
+every prompt block already seen, of the same tenant, hit. Two tenants also
+ask about one shared document, identical text: at the end of ``kv_events``
+the indexer must score it 0 for the tenants that never sent it, and 0
+without a namespace (no cross-tenant score), and hold per replica as many
+blocks as ``kvctl status`` counts full-attention blocks in its pool.
 """
 
 from __future__ import annotations
@@ -23,11 +33,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -43,6 +55,26 @@ from kvd.bench.kv import machine_description
 
 TENANTS = ("acme", "globex", "initech", "umbrella")
 MODEL_ID = "fleet"
+SMG_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
+KV_EVENTS, ONE_REPLICA = "kv_events", "one_replica"
+SHARED_BY = TENANTS[:2]  # the tenants that ask about the shared document
+
+
+class TenantLatency(msgspec.Struct, frozen=True):
+    tenant: str
+    ttft_p50_s: float
+    ttft_p99_s: float
+
+
+class IndexerCheck(msgspec.Struct, frozen=True):
+    """Dynamo's indexer against the replicas, at the end of ``kv_events``."""
+
+    version: str
+    decode_errors: int  # lines of its log that say a batch did not decode
+    blocks: list[int]  # device blocks it holds per replica
+    pool_blocks: list[int]  # full-attention blocks each pool holds (kvctl status)
+    cross_tenant_scores: int  # queries that scored where the tenant never sent the text
+    queries: int
 
 
 class PolicyFigures(msgspec.Struct, frozen=True):
@@ -56,6 +88,8 @@ class PolicyFigures(msgspec.Struct, frozen=True):
     wall_s: float
     completion_tokens_per_s: float
     per_replica: list[int]  # requests each replica finished
+    tenants: list[TenantLatency] = []
+    indexer: IndexerCheck | None = None
 
 
 class FleetReport(msgspec.Struct, frozen=True):
@@ -86,6 +120,10 @@ def _config(model: str, shape: DaemonShape, directory: Path) -> str:
         shape.toml(),
         "[pool]",
         f'size = "{shape.pool}"',
+        "",
+        "[kv_events]",  # what the kv_events policy's indexer follows
+        "enable = true",
+        f'endpoint = "ipc://{directory}/events"',
     ]
     for tenant in TENANTS:
         digest = hashlib.sha256(_key(tenant).encode()).hexdigest()
@@ -119,6 +157,10 @@ def workload(documents: int, questions: int, words: int, seed: int) -> list[tupl
             document = f"{tenant} handbook, part {d}: {text}\n\n"
             for q in range(questions):
                 work.append((tenant, f"{document}Question {q}: what comes after step {q + d}?"))
+    shared = "Shared handbook: " + " ".join(rng.choice(vocabulary) for _ in range(words))
+    for tenant in SHARED_BY:
+        for q in range(questions):
+            work.append((tenant, f"{shared}\n\nQuestion {q}: which step is the longest?"))
     rng.shuffle(work)
     return work
 
@@ -190,6 +232,131 @@ def _launch_gateway(urls: list[str], policy: str, log: Path) -> tuple[subprocess
     raise RuntimeError(f"smg did not register the {len(urls)} replicas (its log: {log})")
 
 
+class DynamoIndexer:
+    """NVIDIA Dynamo's standalone KV indexer following every replica's events
+    (worker ``i + 1`` is replica ``i``), asked over its HTTP API."""
+
+    def __init__(self, endpoints: list[str], block_size: int, log: Path) -> None:
+        try:
+            from importlib.metadata import version
+
+            self.version = version("ai-dynamo-runtime")
+        except Exception as exc:  # PackageNotFoundError
+            raise RuntimeError(
+                "the kv_events policy needs NVIDIA Dynamo's indexer: pip install ai-dynamo-runtime"
+            ) from exc
+        self.log = log
+        port = free_port()
+        workers = ",".join(f"{i + 1}={endpoint}" for i, endpoint in enumerate(endpoints))
+        command = [sys.executable, "-m", "dynamo.indexer", "--workers", workers]
+        command += ["--block-size", str(block_size), "--port", str(port), "--threads", "1"]
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.close()
+        raise RuntimeError(f"Dynamo's indexer did not start (its log: {log})")
+
+    def scores(self, tokens: list[int], namespace: str | None) -> dict[int, int]:
+        """Prompt tokens each replica holds a prefix of, in ``namespace``."""
+        body: dict[str, Any] = {"token_ids": tokens, "model_name": "default"}
+        if namespace is not None:
+            body["cache_salt"] = namespace
+        reply = self.http.post("/query", json=body)
+        reply.raise_for_status()
+        found = reply.json()["scores"]
+        return {int(worker) - 1: sum(ranks.values()) for worker, ranks in found.items()}
+
+    def blocks(self, replicas: int) -> list[int]:
+        """Device blocks held per replica, from its dump."""
+        held: list[set[int]] = [set() for _ in range(replicas)]
+        for index in self.http.get("/dump").json().values():
+            for entry in index["events"]:
+                stored = entry["event"]["data"].get("stored")
+                if stored is not None and entry["storage_tier"] == "device":
+                    held[entry["worker_id"] - 1] |= {b["block_hash"] for b in stored["blocks"]}
+        return [len(h) for h in held]
+
+    def decode_errors(self) -> int:
+        return sum("Failed to decode" in line for line in self.log.read_text().splitlines())
+
+    def close(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+class EventsRouter:
+    """Each request to the replica the indexer scores highest for its prompt
+    in its tenant's namespace; on a tie, the one with the fewest requests in
+    flight (llm-d's precise prefix scorer, with load as the tie-breaker)."""
+
+    def __init__(self, indexer: DynamoIndexer, urls: list[str], encode: Any) -> None:
+        self.indexer, self.urls, self.encode = indexer, urls, encode
+        self.busy = [0] * len(urls)
+        self.lock = threading.Lock()
+
+    def send(self, tokens: int, item: tuple[str, str]) -> Completion:
+        tenant, prompt = item
+        scores = self.indexer.scores(self.encode(prompt), f"tenant:{tenant}")
+        with self.lock:
+            i = max(range(len(self.urls)), key=lambda r: (scores.get(r, 0), -self.busy[r], -r))
+            self.busy[i] += 1
+        try:
+            return _send(self.urls[i], tokens, item)
+        finally:
+            with self.lock:
+                self.busy[i] -= 1
+
+
+def _status(directory: Path) -> dict[str, Any]:
+    """``kvctl status --json`` of a replica."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvctl.cli", "--socket", f"{directory}/admin.sock", "status",
+         "--json"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return msgspec.json.decode(out.stdout)  # type: ignore[no-any-return]
+
+
+def _check_indexer(
+    indexer: DynamoIndexer,
+    directories: list[Path],
+    work: list[tuple[str, str]],
+    encode: Any,
+) -> IndexerCheck:
+    """Once the indexer has caught up with the pools (each replica idle):
+    what it holds per replica against ``kvctl status``, and whether any
+    query scores text a tenant never sent (the shared document, for the
+    tenants that never asked about it; anything, without a namespace)."""
+    pools = [_status(d)["pool"]["findable_blocks"]["global"] for d in directories]
+    deadline = time.monotonic() + 30
+    held = indexer.blocks(len(directories))
+    while held != pools and time.monotonic() < deadline:
+        time.sleep(0.2)
+        held = indexer.blocks(len(directories))
+    crossings = queries = 0
+    for tenant, prompt in work:
+        tokens = encode(prompt)
+        others = [None] + [f"tenant:{t}" for t in TENANTS if prompt.startswith("Shared")
+                           and t not in SHARED_BY]  # fmt: skip
+        for namespace in others:
+            queries += 1
+            crossings += any(indexer.scores(tokens, namespace).values())
+    return IndexerCheck(
+        indexer.version, indexer.decode_errors(), held, pools, crossings, queries
+    )
+
+
 def _flush(directories: list[Path]) -> None:
     for directory in directories:
         subprocess.run(
@@ -211,7 +378,7 @@ def _finished(daemon: LoggedDaemon) -> int:
 
 def run_fleet_bench(
     replicas: int = 2,
-    policies: tuple[str, ...] = ("round_robin", "cache_aware"),
+    policies: tuple[str, ...] = (ONE_REPLICA, "round_robin", "cache_aware", KV_EVENTS),
     clients: int = 8,
     documents: int = 3,
     questions: int = 6,
@@ -221,6 +388,11 @@ def run_fleet_bench(
 ) -> FleetReport:
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_tokenizer
 
+    unknown = [p for p in policies if p not in (*SMG_POLICIES, KV_EVENTS, ONE_REPLICA)]
+    if unknown:
+        raise ValueError(
+            f"unknown policy {unknown[0]!r}: one of {', '.join((*SMG_POLICIES, KV_EVENTS, ONE_REPLICA))}"
+        )
     model = "random" if quick else EMBEDDED_MODEL
     shape = QUICK_DAEMON if quick else DaemonShape(2048, 16, 256, "96MiB")
     work = workload(documents, questions, 60 if quick else 120, seed=11)
@@ -231,7 +403,11 @@ def run_fleet_bench(
         root = Path(scratch)
         directories = [root / f"r{i}" for i in range(replicas)]
         daemons = []
+        indexer = None
         try:
+            if KV_EVENTS in policies:  # first: it follows the replicas from their start
+                endpoints = [f"ipc://{d}/events" for d in directories]
+                indexer = DynamoIndexer(endpoints, 16, root / "indexer.log")
             for directory in directories:
                 directory.mkdir()
                 config = directory / "kvd.toml"
@@ -241,17 +417,28 @@ def run_fleet_bench(
             urls = [daemon.wait_ready() for daemon in daemons]
             for policy in policies:
                 _flush(directories)
-                say(f"smg --policy {policy}: {len(work)} requests from {clients} clients")
-                gateway, url = _launch_gateway(urls, policy, root / "smg.log")
                 before = [_finished(d) for d in daemons]
+                gateway = None
+                if policy == KV_EVENTS:
+                    assert indexer is not None
+                    say(f"{policy} (Dynamo's indexer): {len(work)} requests, {clients} clients")
+                    send = EventsRouter(indexer, urls, tokenizer.encode).send
+                elif policy == ONE_REPLICA:
+                    say(f"{policy}: {len(work)} requests from {clients} clients")
+                    send = partial(_send, urls[0])
+                else:
+                    say(f"smg --policy {policy}: {len(work)} requests from {clients} clients")
+                    gateway, url = _launch_gateway(urls, policy, root / "smg.log")
+                    send = partial(_send, url)
                 try:
                     started = time.monotonic()
                     with ThreadPoolExecutor(clients) as pool:
-                        done = list(pool.map(partial(_send, url, tokens), work))
+                        done = list(pool.map(partial(send, tokens), work))
                     wall = time.monotonic() - started
                 finally:
-                    gateway.terminate()
-                    gateway.wait(timeout=30)
+                    if gateway is not None:
+                        gateway.terminate()
+                        gateway.wait(timeout=30)
                 deadline = time.monotonic() + 30  # each replica logs its last finishes
                 while time.monotonic() < deadline:
                     per_replica = [_finished(d) - b for d, b in zip(daemons, before, strict=True)]
@@ -261,6 +448,11 @@ def run_fleet_bench(
                 ttfts = sorted(c.ttft_s for c in done)
                 prompt_tokens = sum(c.prompt_tokens for c in done)
                 cached = sum(c.cached_tokens for c in done)
+                check = None
+                if policy == KV_EVENTS:
+                    assert indexer is not None
+                    say("checking the indexer against the pools")
+                    check = _check_indexer(indexer, directories, work, tokenizer.encode)
                 figures.append(
                     PolicyFigures(
                         policy,
@@ -269,21 +461,39 @@ def run_fleet_bench(
                         cached,
                         cached / prompt_tokens if prompt_tokens else 0.0,
                         statistics.median(ttfts),
-                        ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
+                        _p99(ttfts),
                         wall,
                         sum(c.completion_tokens for c in done) / wall,
                         per_replica,
+                        _by_tenant(work, done),
+                        check,
                     )
                 )
         finally:
             for daemon in daemons:
                 daemon.stop()
+            if indexer is not None:
+                indexer.close()
     return FleetReport(machine_description(), model, replicas, clients, ideal, figures)
+
+
+def _p99(values: list[float]) -> float:
+    return values[min(len(values) - 1, int(len(values) * 0.99))]
+
+
+def _by_tenant(work: list[tuple[str, str]], done: list[Completion]) -> list[TenantLatency]:
+    figures = []
+    for tenant in TENANTS:
+        ttfts = sorted(c.ttft_s for (t, _), c in zip(work, done, strict=True) if t == tenant)
+        if ttfts:
+            figures.append(TenantLatency(tenant, statistics.median(ttfts), _p99(ttfts)))
+    return figures
 
 
 def render(report: FleetReport) -> str:
     lines = [
-        f"kvd bench fleet: {report.replicas} kvd replicas of {report.model} behind smg, "
+        f"kvd bench fleet: {report.replicas} kvd replicas of {report.model}, routed by smg or by "
+        "their KV events, "
         f"{report.clients} clients, {len(TENANTS)} tenants (each with its own key)",
         f"machine: {report.machine}",
         f"one unbounded cache would serve {report.ideal_hit_rate:.1%} of prompt tokens",
@@ -297,4 +507,20 @@ def render(report: FleetReport) -> str:
             f"{p.ttft_p99_s:>8.3f}s {p.completion_tokens_per_s:>7.1f} {p.wall_s:>7.1f}  "
             f"{p.per_replica}"
         )
+    lines += ["", "TTFT p50 / p99 by tenant:"]
+    for p in report.policies:
+        cells = [f"{t.tenant} {t.ttft_p50_s:.3f}/{t.ttft_p99_s:.3f}s" for t in p.tenants]
+        lines.append(f"{p.policy:>12}  " + ", ".join(cells))
+    for p in report.policies:
+        if p.indexer is not None:
+            check = p.indexer
+            lines += [
+                "",
+                f"Dynamo's indexer (ai-dynamo-runtime {check.version}) after {p.policy}:",
+                f"  decode errors in its log: {check.decode_errors}",
+                f"  blocks it holds per replica {check.blocks}, full-attention blocks in "
+                f"each pool (kvctl status) {check.pool_blocks}",
+                f"  queries scoring text the tenant never sent: {check.cross_tenant_scores} "
+                f"of {check.queries}",
+            ]
     return "\n".join(lines)

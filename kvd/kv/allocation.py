@@ -204,18 +204,22 @@ class Allocator:
         claimed = [self.registry.host.claim(key) for key in keys]
         pages = self.registry.pool.take(seq.tenant, len(keys))
         live = self.registry.public.live_ids()
+        pool, chained = self.registry.pool, self.registry.global_groups
         for (g, block), key, held, page in zip(hit.reloads, keys, claimed, pages, strict=True):
             seq.tables[g][block] = page
             self.registry.host.copy_in(held, page)
             public = held.public & live if held.public is not None else None
-            registered = (held.public is None or bool(public)) and self.registry.pool.register(
-                page, key, public or None
+            parent = (g, hashes[block - 1]) if block and g in chained else None
+            registered = (held.public is None or bool(public)) and pool.register(
+                page, key, public or None, parent
             )
-            if self.registry.pool.events is not None:
+            if pool.events is not None:
                 if registered:
-                    self.registry.pool.events.reloaded(key)
+                    pool.events.reloaded(key)
                 else:  # left the host cache, not findable on the device
-                    self.registry.pool.events.removed(key, CPU)
+                    pool.events.removed(key, CPU)
+            if not registered:
+                pool.lost(key)
 
     def extend_decodes(
         self,

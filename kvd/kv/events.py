@@ -25,16 +25,25 @@ Two wire forms (``EventEncoding``): arrays in vLLM's field order (what
 llm-d decodes, and Dynamo) or maps tagged by ``"type"`` (newer vLLM;
 Dynamo). The batch is ``[ts, events, data_parallel_rank]`` either way.
 
-Block hashes go out as integers from kvd's keyed 32-byte hashes with bit 62
-set: every one is at least 2**32, so it travels as a 64-bit msgpack integer
-(llm-d's decoder refuses narrower ones), and fits int64 and uint64 alike. They
-are stable for the process's life: the keyed hash's secret never leaves it.
+Block hashes go out as *published* hashes: a chain of 62-bit BLAKE2b hashes
+over the parent's published hash, the block's scope and its tokens, under a
+fixed public key, with bit 62 set (every one at least 2**32, so it travels
+as a 64-bit msgpack integer, which llm-d's decoder requires; below 2**63, so
+int64 and uint64 decoders alike hold it). The same block has the same
+published hash on every replica and after a restart, as Dynamo's indexer
+needs: it shares one radix tree across workers, and loses track of a
+worker's blocks when another worker removes the same content under other
+hashes. kvd's own keyed hashes (whose secret keeps a tenant from
+precomputing a collision) never leave the process; a published hash is only
+a router's hint.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,10 +164,35 @@ def as_array(event: Event) -> list[Any]:
     return ["AllBlocksCleared"]
 
 
-def external_hash(block_hash: bytes) -> int:
-    """The integer a block's hash is published as: 62 bits of it, with bit 62
-    set (so at least 2**32: a 64-bit msgpack integer), below 2**63."""
-    return int.from_bytes(block_hash[:8], "big") >> 2 | 1 << 62
+_PUBLISHED = hashlib.blake2b(key=b"kvd kv events v1", digest_size=8)
+
+
+def published_hash(parent: int | None, scope: bytes, tokens: Sequence[int]) -> int:
+    """A full block's published hash, chained on its parent's: 62 bits with
+    bit 62 set (at least 2**32: a 64-bit msgpack integer; below 2**63)."""
+    digest = _PUBLISHED.copy()
+    digest.update((parent or 0).to_bytes(8, "little"))
+    digest.update(len(scope).to_bytes(4, "little"))
+    digest.update(scope)
+    digest.update(array("I", tokens).tobytes())
+    return int.from_bytes(digest.digest(), "big") >> 2 | 1 << 62
+
+
+def published_chain(
+    tokens: Sequence[int],
+    block_size: int,
+    scopes: Sequence[bytes],
+    start: int,
+    parent: int | None,
+) -> list[int]:
+    """Published hashes of full blocks ``start`` on, one per entry of
+    ``scopes`` (each block's scope), continuing from ``parent``."""
+    chain = []
+    for offset, scope in enumerate(scopes):
+        block = start + offset
+        parent = published_hash(parent, scope, tokens[block * block_size : (block + 1) * block_size])
+        chain.append(parent)
+    return chain
 
 
 class GroupSpec(msgspec.Struct, frozen=True):
@@ -172,7 +206,8 @@ class _Meta(msgspec.Struct, gc=False):
     """What a stored block's event said, kept while the device or the host cache holds it (a
     block moving to the host cache, or a resync, tells it again)."""
 
-    parent: bytes | None
+    published: int
+    parent: int | None  # the parent's published hash
     tokens: tuple[int, ...]
     namespace: str | None  # None: a public block
     media: int = 0  # bit 1: on the device, bit 2: on the host cache
@@ -226,14 +261,16 @@ class KVEventLog:
     def stored(
         self,
         key: CacheKey,
-        parent: bytes | None,
+        published: int,
+        parent: int | None,
         tokens: Sequence[int],
         scope: bytes,
     ) -> None:
-        """A computed block became findable on the device."""
+        """A computed block became findable on the device; ``published``: its
+        published hash, ``parent``: its parent's (``published_chain``)."""
         meta = self._meta.get(key)
         if meta is None:
-            meta = _Meta(parent, tuple(tokens), scope_namespace(scope))
+            meta = _Meta(published, parent, tuple(tokens), scope_namespace(scope))
             self._meta[key] = meta
         self._add(key, meta, GPU)
 
@@ -265,14 +302,14 @@ class KVEventLog:
         if self._untold(meta):
             return
         self.removed_blocks += 1
-        group, block_hash = key
+        group = key[0]
         # A store after this removal must come after it: that group's open event closes.
         self._open.pop((group, medium), None)
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved) and last.medium == medium and last.group_idx == group:
-            last.block_hashes.append(external_hash(block_hash))
+            last.block_hashes.append(meta.published)
             return
-        self._events.append(BlockRemoved([external_hash(block_hash)], medium, group))
+        self._events.append(BlockRemoved([meta.published], medium, group))
 
     def _add(self, key: CacheKey, meta: _Meta, medium: str) -> None:
         bit = _MEDIUM_BIT[medium]
@@ -295,10 +332,9 @@ class KVEventLog:
         an event's namespace from its first block). Groups are indexed
         apart, so a block joining an event ahead of another group's is in
         order."""
-        group, block_hash = key
+        group = key[0]
         with_tokens = not meta.private or self.private_blocks is PrivateBlocks.TOKEN_IDS
-        parent = external_hash(meta.parent) if meta.parent is not None else None
-        told = external_hash(block_hash)
+        parent, told = meta.parent, meta.published
         open_event = self._open.get((group, medium))
         if (
             open_event is not None
@@ -358,6 +394,10 @@ class KVEventLog:
         and the host cache)."""
         bit = _MEDIUM_BIT[medium]
         return {key for key, meta in self._meta.items() if meta.media & bit}
+
+    def published(self, key: CacheKey) -> int:
+        """The hash ``key``'s block was published under (it is held)."""
+        return self._meta[key].published
 
 
 def batch(events: list[Event], rank: int = 0) -> EventBatch:

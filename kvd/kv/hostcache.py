@@ -30,6 +30,8 @@ before the step reads it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from collections import OrderedDict
 
 import msgspec
@@ -74,6 +76,8 @@ class HostCache:
         # again in one step must be copied in before it is copied out.
         self._copies: list[HostCopy] = []
         self.events: KVEventLog | None = None  # told of the blocks dropped
+        # Called with each key dropped (the pool: device blocks chained on it may go).
+        self.on_drop: Callable[[CacheKey], None] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -152,6 +156,8 @@ class HostCache:
         self.evictions += 1
         if self.events is not None:
             self.events.removed(key, CPU)
+        if self.on_drop is not None:
+            self.on_drop(key)
 
     def _free_row(self, row: int) -> None:
         # Its data goes (in order: a copy out queued earlier becomes moot, one

@@ -215,6 +215,17 @@ class KVManager:
         lengths = [len(tokens) for _, tokens in self.public.items()] + [extra]
         return sum(length // self.block_size for length in lengths) * self.num_groups
 
+    def findable_blocks(self) -> dict[str, int]:
+        """Blocks the device's prefix cache can serve now, by attention kind
+        (``global``, ``sliding``): distinct blocks, however many page groups of
+        that kind hold one. A router indexing the events holds as many
+        full-attention (global) blocks as this says."""
+        kinds = [group.kind for group in self.layout.groups]
+        found: dict[str, set[bytes]] = {str(kind): set() for kind in AttentionKind}
+        for group, block_hash in self.pool.index:
+            found[str(kinds[group])].add(block_hash)
+        return {kind: len(hashes) for kind, hashes in found.items()}
+
     def flush_cache(self) -> int:
         """Forget all cached pages nobody uses, on the device and the host cache; returns how
         many were dropped."""

@@ -13,6 +13,16 @@ device always gathers a valid page.
 
 Idle pages are handed out free ones first, then cached ones from the LRU
 head, which forgets their cache key: cached pages survive as long as possible.
+
+The full-attention groups' index is a tree, as the routers that follow the
+KV events keep it: a block is findable only while its parent is (on the
+device or in the host cache). A block whose parent is not findable is not
+registered, and a block that stops being findable takes its registered
+descendants with it, since no lookup could reach them (lookups walk a chain
+from its first block). A page holding a block another page already holds
+(two requests computed it at once) is kept as that key's *spare*: when the
+indexed page goes, the spare takes the key over, so the block and its
+descendants stay findable while any page still holds it.
 """
 
 from __future__ import annotations
@@ -46,6 +56,14 @@ class PagePool:
         self.free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() yields low ids first
         self.lru: OrderedDict[int, None] = OrderedDict()  # head = least recently used
         self.index: dict[CacheKey, int] = {}
+        # The tree of the full-attention groups: each registered key's parent
+        # key, and its registered children.
+        self.parent: dict[CacheKey, CacheKey] = {}
+        self.children: dict[CacheKey, set[CacheKey]] = {}
+        # Referenced pages holding the content of a registered key that
+        # another page is indexed under (private blocks only).
+        self.spares: dict[CacheKey, set[int]] = {}
+        self.spare_of: list[CacheKey | None] = [None] * num_pages
         self.evictions = 0  # cached pages whose key was dropped; stales prefix hits
         # Who a cached page's content is charged to on the host cache: the
         # account that paid for it when it was registered.
@@ -82,7 +100,7 @@ class PagePool:
             else:
                 page, _ = lru.popitem(last=False)
                 key = self.key[page]
-                if self.host is not None and key is not None:
+                if self.host is not None and key is not None and not self.spares.get(key):
                     owner = self.owner[page]
                     assert owner is not None
                     kept = self.host.offer(key, page, owner, self.public[page])
@@ -116,6 +134,7 @@ class PagePool:
             public = self.public[page] is not None
             self.ledger.accounts[SHARED_ACCOUNT if public else account].used -= 1
             if self.key[page] is None:
+                self._release_spare(page)
                 self.free.append(page)
             else:
                 self.lru[page] = None
@@ -131,6 +150,7 @@ class PagePool:
             self.holders[page] = None
             self.ledger.accounts[payer].used -= 1
             if self.key[page] is None:
+                self._release_spare(page)
                 self.free.append(page)
             else:
                 self.lru[page] = None
@@ -145,16 +165,36 @@ class PagePool:
     def lookup(self, key: CacheKey) -> int | None:
         return self.index.get(key)
 
-    def register(self, page: int, key: CacheKey, public: frozenset[int] | None) -> bool:
+    def register(
+        self,
+        page: int,
+        key: CacheKey,
+        public: frozenset[int] | None,
+        parent: CacheKey | None = None,
+    ) -> bool:
         """Make a full, referenced page findable by ``key``.
 
         ``public`` names the registered public prefixes the block lies in; such
-        a page is charged to the shared account. Returns False (and leaves the
-        page private) when another page already holds that content: the
-        duplicate is freed with its sequence.
+        a page is charged to the shared account. ``parent``: the key of the
+        block before it in a full-attention group (None: the first block, or
+        a sliding group, whose blocks need no chain). Returns False (and
+        leaves the page private) when another page already holds that
+        content, the page then a spare of that key if both are private, or
+        when the parent is findable nowhere.
         """
-        if key in self.index or self.key[page] is not None:
+        if self.key[page] is not None:
             return False
+        held = self.index.get(key)
+        if held is not None:
+            if public is None and self.public[held] is None and self.spare_of[page] is None:
+                self.spares.setdefault(key, set()).add(page)
+                self.spare_of[page] = key
+            return False
+        if parent is not None and not self._findable(parent):
+            return False
+        if parent is not None:
+            self.parent[key] = parent
+            self.children.setdefault(parent, set()).add(key)
         self.index[key] = page
         self.key[page] = key
         self.owner[page] = SHARED_ACCOUNT if public else self.account_of(page)
@@ -184,35 +224,111 @@ class PagePool:
             if remaining:
                 self.public[page] = remaining
                 continue
+            if self.key[page] is None:  # a descendant of a page forgotten here
+                continue
             if self.holders[page] is None:
                 del self.lru[page]
                 self._forget(page)
                 self.free.append(page)
                 continue
-            self.public[page] = None
-            self.ledger.accounts[SHARED_ACCOUNT].used -= 1
-            self.ledger.accounts[self.account_of(page)].used += 1
+            self._make_private(page)
             self._forget(page)
         return affected
 
+    def lost(self, key: CacheKey) -> None:
+        """``key`` stopped being findable somewhere (the host cache dropped it,
+        a reload could not register it): if it is findable nowhere now, its
+        descendants on the device go."""
+        if not self._findable(key):
+            self._drop_descendants(key)
+
+    def _findable(self, key: CacheKey) -> bool:
+        return key in self.index or (self.host is not None and key in self.host)
+
     def _forget(self, page: int) -> None:
+        """``page`` stops holding its key: a spare takes the key over, or the
+        key leaves the device, with its descendants if it is findable
+        nowhere now. The caller frees or keeps the page."""
         key = self.key[page]
-        if key is not None:
-            del self.index[key]
+        if key is None:
+            return
+        self.key[page] = None
+        self.public[page] = None
+        spares = self.spares.get(key)
+        if spares:
+            spare = spares.pop()
+            if not spares:
+                del self.spares[key]
+            self.spare_of[spare] = None
+            self.index[key] = spare
+            self.key[spare] = key
+            self.owner[spare] = self.account_of(spare)
+            return
+        self._unindex(key)
+        if not self._findable(key):
+            self._drop_descendants(key)
+
+    def _unindex(self, key: CacheKey) -> None:
+        del self.index[key]
+        parent = self.parent.pop(key, None)
+        if parent is not None:
+            siblings = self.children.get(parent)
+            if siblings is not None:
+                siblings.discard(key)
+                if not siblings:
+                    del self.children[parent]
+        self.evictions += 1
+        if self.events is not None:
+            self.events.removed(key, GPU)
+
+    def _drop_descendants(self, key: CacheKey) -> None:
+        """Unregister every registered descendant of ``key`` (no lookup can
+        reach them): idle pages become free, referenced ones stay with their
+        holders as private pages, spares stay spare no more."""
+        stack = list(self.children.pop(key, ()))
+        while stack:
+            child = stack.pop()
+            page = self.index.get(child)
+            if page is None:
+                continue
+            for spare in self.spares.pop(child, ()):
+                self.spare_of[spare] = None
             self.key[page] = None
-            self.public[page] = None
-            self.evictions += 1
-            if self.events is not None:
-                self.events.removed(key, GPU)
+            if self.holders[page] is None:
+                del self.lru[page]
+                self.public[page] = None
+                self.free.append(page)
+            elif self.public[page] is not None:
+                self._make_private(page)
+            self._unindex(child)
+            stack.extend(self.children.pop(child, ()))
+
+    def _make_private(self, page: int) -> None:
+        """A referenced public page stops being public: its charge moves from
+        the shared account to its first holder."""
+        self.public[page] = None
+        self.ledger.accounts[SHARED_ACCOUNT].used -= 1
+        self.ledger.accounts[self.account_of(page)].used += 1
+
+    def _release_spare(self, page: int) -> None:
+        key = self.spare_of[page]
+        if key is None:
+            return
+        self.spare_of[page] = None
+        spares = self.spares[key]
+        spares.discard(page)
+        if not spares:
+            del self.spares[key]
 
     def flush(self) -> int:
-        """Forget every cached page nobody references; returns how many."""
-        flushed = len(self.lru)
-        for page in self.lru:
-            self._forget(page)
+        """Forget every cached page nobody references; returns how many
+        pages that freed."""
+        before = len(self.free)
+        while self.lru:
+            page, _ = self.lru.popitem(last=False)
+            self._forget(page)  # may free other cached pages: its descendants
             self.free.append(page)
-        self.lru.clear()
-        return flushed
+        return len(self.free) - before
 
     # -- checking ------------------------------------------------------------
 
@@ -236,6 +352,16 @@ class PagePool:
             if key is not None:
                 assert self.index[key] == page, page
             assert self.public[page] is None or self.key[page] is not None, page
+            spare = self.spare_of[page]
+            if spare is not None:
+                assert ref > 0 and key is None and page in self.spares[spare], page
+                assert spare in self.index and self.public[self.index[spare]] is None, page
         assert len(self.index) == sum(1 for k in self.key if k is not None)
+        assert sum(len(s) for s in self.spares.values()) == sum(
+            1 for k in self.spare_of if k is not None
+        )
+        for key, parent in self.parent.items():  # the tree: every chain reaches a root
+            assert key in self.index and key in self.children[parent], key
+            assert self._findable(parent), (key, parent)
         for name, account in self.ledger.accounts.items():
             assert account.used == charges[name], (name, account.used, charges[name])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from kvd.kv.events import KVEventLog
+from kvd.kv.events import KVEventLog, published_chain
 from kvd.kv.records import KVError, PrefixHit
 from kvd.kv.registry import SequenceRegistry
 from kvd.kv.scope import Scope, chain_hashes, resolve_scope
@@ -33,6 +33,7 @@ class PrefixCache:
         if scope != seq.scope:
             seq.scope = scope
             seq.hashes = []
+            seq.published = []
         return scope
 
     def extend_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -135,12 +136,15 @@ class PrefixCache:
         hashes = self.extend_hashes(seq, stop)
         register = self.registry.pool.register
         events = self.registry.pool.events
+        chained = self.registry.global_groups  # a block there needs its parent findable
         if not scope.public_matches:  # no public prefix in this chain: every page stays private
             for block in range(start, stop):
                 key_hash = hashes[block]
                 for g, table in enumerate(seq.tables):
                     page = table[block]
-                    if page and register(page, (g, key_hash), None) and events is not None:
+                    parent = (g, hashes[block - 1]) if block and g in chained else None
+                    registered = page and register(page, (g, key_hash), None, parent)
+                    if registered and events is not None:
                         self._tell_stored(events, seq, hashes, block, g)
             return
         live = self.registry.public.live_ids() if scope.public_blocks > start else frozenset()
@@ -155,19 +159,33 @@ class PrefixCache:
             key_hash = hashes[block]
             for g, table in enumerate(seq.tables):
                 page = table[block]
-                if page and register(page, (g, key_hash), public) and events is not None:
+                parent = (g, hashes[block - 1]) if block and g in chained else None
+                registered = page and register(page, (g, key_hash), public, parent)
+                if registered and events is not None:
                     self._tell_stored(events, seq, hashes, block, g)
 
     def _tell_stored(
         self, events: KVEventLog, seq: Sequence, hashes: list[bytes], block: int, group: int
     ) -> None:
-        assert seq.scope is not None
+        scope = seq.scope
+        assert scope is not None
         size = self.registry.block_size
+        published = seq.published
+        if len(published) <= block:  # the chain a router hashes, computed when first told
+            start = len(published)
+            published += published_chain(
+                seq.tokens,
+                size,
+                [scope.of_block(b) for b in range(start, block + 1)],
+                start,
+                published[-1] if published else None,
+            )
         events.stored(
             (group, hashes[block]),
-            hashes[block - 1] if block else None,
+            published[block],
+            published[block - 1] if block else None,
             seq.tokens[block * size : (block + 1) * size],
-            seq.scope.of_block(block),
+            scope.of_block(block),
         )
 
 

@@ -51,6 +51,7 @@ class SequenceRegistry:
         self.pool = PagePool(num_pages, self.ledger)
         self.host = HostCache(0)  # off until ``enable_host_cache``
         self.host.add_account(SHARED_ACCOUNT)
+        self.host.on_drop = self.pool.lost  # the device blocks that chained on it may go
         self.policy = SharingPolicy(policy)
         self.public = PublicPrefixes()
         self.sequences: dict[int, Sequence] = {}

@@ -68,6 +68,7 @@ class Sequence:
         "cache_salt",
         "tables",
         "hashes",
+        "published",
         "registered",
         "scope",
         "swapped_blocks",
@@ -111,6 +112,7 @@ class Sequence:
         self._columns.set(LAST_TOKEN, self.slot, tokens[-1] if tokens else 0)
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.hashes: list[bytes] = []
+        self.published: list[int] = []  # the hashes KV events publish its blocks under
         self.registered = 0  # blocks [0, registered) were offered to the prefix cache
         self.scope: Scope | None = None
         self._residency = Residency.WAITING

@@ -177,6 +177,8 @@ class Admin:
                 "cached": stats.cached_pages,
                 "free": stats.free_pages,
                 "reserved": kv.ledger.total_reserved(),
+                # What a router following the KV events indexes (global: full attention).
+                "findable_blocks": kv.findable_blocks(),
             },
             "state": {"file": str(self.store.path), "restored": self.restored},
             "engine_failures": self.failures,

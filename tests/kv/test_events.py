@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.kv import KVManager, PageLayout
-from kvd.kv.events import GPU, BlockStored, EventEncoding, PrivateBlocks, external_hash
+from kvd.kv.events import GPU, BlockStored, EventEncoding, PrivateBlocks
 from kvd.kv.sequence import Sequence
 from tests.kv.conftest import BLOCK, Subscriber, make_kv
 
@@ -31,7 +31,9 @@ def run(kv: KVManager, seq_id: int, tenant: str, tokens: list[int], **kw: object
 
 def view(kv: KVManager, medium: str = GPU) -> set[tuple[int, int]]:
     index = kv.pool.index if medium == GPU else kv.host.blocks
-    return {(g, external_hash(h)) for g, h in index}
+    events = kv.pool.events
+    assert events is not None
+    return {(g, events.published((g, h))) for g, h in index}
 
 
 @pytest.mark.parametrize("encoding", list(EventEncoding))
@@ -139,3 +141,78 @@ def test_a_run_of_blocks_is_one_event_per_group(layout: PageLayout) -> None:
         for e in stored
         if e.kv_cache_spec_kind != "full_attention"
     )
+
+
+def test_a_block_two_requests_computed_stays_findable_while_either_holds_it(
+    layout: PageLayout,
+) -> None:
+    """Two requests prefill the same text at once (neither could hit the
+    other's blocks): the second's pages are spares of the first's keys. When
+    the first's pages are evicted, the spares take the keys over, so the
+    second's later blocks still chain on a findable parent, and a router
+    following the events never sees a block whose parent it was told is gone."""
+    kv = make_kv(layout, pages=40)
+    events = kv.enable_events()
+    sub = Subscriber()
+    text = [*range(100, 108), 9]  # 2 full blocks and a token
+    first, second = kv.add_sequence(1, "a", text), kv.add_sequence(2, "a", text)
+    for seq in (first, second):  # both look up before either has registered
+        kv.allocate(seq, len(text), kv.lookup(seq))
+    for seq in (first, second):
+        kv.commit(seq, len(text))
+    kv.finish(first)
+    assert kv.flush_cache() > 0  # the first's pages go: the second's take their keys
+    sub.apply(events.take())
+    assert sub.held(GPU) == view(kv) and len({h for _, h in view(kv)}) == 2
+    again = kv.add_sequence(3, "a", [*text[:8], 1, 2, 3, 4, 5])
+    assert prefill(kv, again) == 8  # the two blocks, from the second's pages
+    kv.check_invariants()
+    kv.finish(second)
+    kv.finish(again)
+    sub.apply(events.take())
+    assert sub.held(GPU) == view(kv)
+    kv.check_invariants()
+
+
+def test_blocks_past_one_no_lookup_can_reach_leave_the_cache(layout: PageLayout) -> None:
+    """A full-attention block whose parent is findable nowhere is no use to a
+    lookup, which walks a chain from its first block: it leaves the device's
+    cache with everything after it (as a router's tree drops a removed
+    block's descendants), and a block cannot join the cache after such a
+    parent. Here a parent released before its child goes to the host cache
+    first, and the host cache then drops it (the pool alone: no sequence
+    holds these pages)."""
+    kv = make_kv(layout, pages=24)
+    kv.enable_host_cache(8)
+    pool, g = kv.pool, kv.registry.global_groups[0]
+    parent, child, grandchild = ((g, bytes([n]) * 32) for n in (1, 2, 3))
+    pages = pool.take("a", 3)
+    assert pool.register(pages[0], parent, None)
+    assert pool.register(pages[1], child, None, parent)
+    assert pool.register(pages[2], grandchild, None, child)
+    assert not pool.register(pool.take("a", 1)[0], (g, b"x" * 32), None, (g, b"y" * 32))
+    for page in pages:  # parent first: the head of the LRU
+        pool.drop(page, "a")
+    pool.take("b", pool.num_idle() - 2)  # evicts the parent (to the host cache) and the rest
+    assert parent in kv.host and {child, grandchild} <= pool.index.keys()
+    kv.host.drop_where()  # the host lets it go: nothing reaches the other two now
+    assert not {child, grandchild} & pool.index.keys() and pool.num_idle() == 2
+    pool.check_invariants()
+
+
+def test_replicas_publish_the_same_block_under_the_same_hash(layout: PageLayout) -> None:
+    """A router's index shares one tree across workers (Dynamo's does): the
+    same tenant's same text has one published hash on every replica, and
+    another tenant's the same text another."""
+    told = []
+    for _replica in range(2):
+        kv = make_kv(layout)
+        events = kv.enable_events()
+        sub = Subscriber()
+        for seq_id, tenant in ((1, "a"), (2, "b")):
+            run(kv, seq_id, tenant, [*range(40, 52), 3])
+        sub.apply(events.take())
+        told.append({(sub.namespace[k], k) for k in sub.held(GPU)})
+    assert told[0] == told[1]
+    by_tenant = {namespace: {k for n, k in told[0] if n == namespace} for namespace, _ in told[0]}
+    assert by_tenant["tenant:a"] and not by_tenant["tenant:a"] & by_tenant["tenant:b"]

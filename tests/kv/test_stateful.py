@@ -36,7 +36,6 @@ from kvd.kv import (
     build_layout,
     plan_eviction,
 )
-from kvd.kv.events import external_hash
 from kvd.kv.eviction import _Simulation
 from kvd.kv.records import Demand
 from kvd.kv.scope import PUBLIC_SCOPE
@@ -339,7 +338,7 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
         self.subscriber.apply(self.events.take())
         assert self.subscriber.held("GPU") == {
-            (g, external_hash(h)) for g, h in self.kv.pool.index
+            (g, self.events.published((g, h))) for g, h in self.kv.pool.index
         }, "a subscriber's view of the pool is not the pool"
         ledger = self.kv.ledger
         assert ledger.total_reserved() + ledger.public_bound <= ledger.capacity

@@ -15,7 +15,7 @@ import pytest
 import trio
 import zmq
 
-from kvd.kv.events import GPU, EventEncoding, KVEventLog, PrivateBlocks, external_hash
+from kvd.kv.events import GPU, EventEncoding, KVEventLog, PrivateBlocks, published_hash
 from kvd.kv.scope import PUBLIC_SCOPE
 from kvd.server.config import ConfigError, load_config
 from kvd.server.kvevents import END_OF_REPLAY, KVEventPublisher, KVEventsError
@@ -79,7 +79,9 @@ async def published_all(served: Served) -> None:
 def pool_view(served: Served, medium: str = GPU) -> set[tuple[int, int]]:
     kv = served.scheduler.kv
     index = kv.pool.index if medium == GPU else kv.host.blocks
-    return {(g, external_hash(h)) for g, h in index}
+    events = kv.pool.events
+    assert events is not None
+    return {(g, events.published((g, h))) for g, h in index}
 
 
 async def test_a_gateway_following_the_events_holds_what_the_pool_holds(tmp_path: Path) -> None:
@@ -206,9 +208,11 @@ def test_a_full_queue_costs_the_step_nothing_and_ends_in_a_resync(tmp_path: Path
     try:
         log = KVEventLog(4, [], PrivateBlocks.TOKEN_IDS)
         publisher.attach(log)
-        log.stored((0, b"a" * 32), None, [1, 2, 3, 4], PUBLIC_SCOPE)
+        first = published_hash(None, PUBLIC_SCOPE, [1, 2, 3, 4])
+        second = published_hash(first, PUBLIC_SCOPE, [5, 6, 7, 8])
+        log.stored((0, b"a" * 32), first, None, [1, 2, 3, 4], PUBLIC_SCOPE)
         publisher.offer()  # queued
-        log.stored((0, b"b" * 32), b"a" * 32, [5, 6, 7, 8], PUBLIC_SCOPE)
+        log.stored((0, b"b" * 32), second, first, [5, 6, 7, 8], PUBLIC_SCOPE)
         publisher.offer()  # the queue is full: not queued, never waited for
         log.removed((0, b"a" * 32), GPU)
         publisher.offer()
@@ -222,7 +226,7 @@ def test_a_full_queue_costs_the_step_nothing_and_ends_in_a_resync(tmp_path: Path
             threading.Event().wait(0.01)
         gateway = Subscriber()
         apply_batches(gateway, replay_from(publisher.replay_endpoint or replay, 0))
-        assert gateway.held(GPU) == {(0, external_hash(b"b" * 32))}
+        assert gateway.held(GPU) == {(0, second)}
     finally:
         publisher.release.set()
         publisher.close()

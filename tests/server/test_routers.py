@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import trio
 
-from kvd.kv.events import FULL_ATTENTION, SALT_TAG, external_hash
+from kvd.kv.events import FULL_ATTENTION, SALT_TAG
 from tests.server.conftest import ALICE, BOB
 from tests.server.harness import Served, serving, until
 from tests.server.test_kv_events import events_config, published_all
@@ -76,9 +76,10 @@ def full_attention_view(served: Served) -> set[int]:
     """What the pool holds of the full-attention groups (the ones a router
     can match a prompt against), as published hashes."""
     kv = served.scheduler.kv
-    assert kv.pool.events is not None
-    groups = {g for g, spec in enumerate(kv.pool.events.groups) if spec.kind == FULL_ATTENTION}
-    return {external_hash(h) for g, h in kv.pool.index if g in groups}
+    events = kv.pool.events
+    assert events is not None
+    groups = {g for g, spec in enumerate(events.groups) if spec.kind == FULL_ATTENTION}
+    return {events.published((g, h)) for g, h in kv.pool.index if g in groups}
 
 
 def score(client: httpx.Client, tokens: list[int], namespace: str | None = None) -> int:
@@ -133,6 +134,9 @@ async def test_dynamos_indexer_holds_and_scores_what_the_pool_holds(tmp_path: Pa
                 assert reply.status_code == 200, await reply.get_json()
             await indexer_matches(client, served, "the indexer holds the pool's blocks")
             assert len(full_attention_view(served)) >= 5 + 3 + 3  # alice's, the prefix's, bob's
+            status = await served.status()  # what kvctl status shows the operator
+            held = await trio.to_thread.run_sync(dynamo_view, client)
+            assert status["pool"]["findable_blocks"]["global"] == len(held)
             # Never a decode error: the log would say "Failed to decode".
             assert "Failed to decode" not in (tmp_path / "indexer.log").read_text()
 
