@@ -568,12 +568,21 @@ def bench_fleet(replicas: int, policies: str, clients: int, quick: bool, as_json
 @bench.command("kv-events")
 @click.option("--requests", type=click.IntRange(min=1), default=96, show_default=True)
 @click.option("--quick", is_flag=True, help="The tiny random model: a smoke run.")
+@click.option(
+    "--indexer", is_flag=True,
+    help="Dynamo's KV indexer (ai-dynamo-runtime) follows the events too; its view is checked.",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_kv_events(requests: int, quick: bool, as_json: bool) -> None:
+def bench_kv_events(requests: int, quick: bool, indexer: bool, as_json: bool) -> None:
     """Step time with KV events off and on (published over ZMQ to a subscriber)."""
     from kvd.bench.kvevents import render, run_kv_events_bench
 
-    report = run_kv_events_bench(requests, quick=quick, say=lambda text: click.echo(text, err=True))
+    try:
+        report = run_kv_events_bench(
+            requests, quick=quick, say=lambda text: click.echo(text, err=True), indexer=indexer
+        )
+    except RuntimeError as exc:  # the indexer missing or not starting
+        raise click.ClickException(str(exc)) from exc
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 

@@ -9,7 +9,9 @@ plus a question of its own, arriving while others decode, over a pool small
 enough that cached blocks are evicted all along. With events on, the KV
 manager logs them and a real publisher sends each step's batch over ZMQ (a
 Unix socket) to a subscriber thread that decodes every message, as the
-daemon does after each step.
+daemon does after each step; with ``indexer``, NVIDIA Dynamo's KV indexer
+(PyPI ``ai-dynamo-runtime``) follows the same socket, and at the end its
+view is checked against the pool.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -38,6 +41,10 @@ class KVEventsBenchReport(msgspec.Struct, frozen=True):
     pair_ratio_p50: float  # median over steps of on / off
     blocks_told: int
     batches_received: int
+    indexer: str | None = None  # Dynamo's version, when it followed the events
+    indexer_blocks: int | None = None  # the blocks it holds at the end
+    pool_blocks: int | None = None  # full-attention blocks the pool holds then
+    indexer_decode_errors: int | None = None
 
 
 def _workload(tokenizer: Any, requests: int, seed: int) -> list[tuple[str, list[int]]]:
@@ -95,6 +102,7 @@ def run_kv_events_bench(
     tokens: int = 16,
     quick: bool = False,
     say: Callable[[str], None] = lambda _text: None,
+    indexer: bool = False,
 ) -> KVEventsBenchReport:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, load_model, random_model_with_tokenizer
@@ -119,11 +127,22 @@ def run_kv_events_bench(
     off, on = (_scheduler(engine, tenants, requests) for engine in engines)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     times: dict[bool, list[float]] = {False: [], True: []}
+    checked: tuple[str, int, int, int] | None = None
     with tempfile.TemporaryDirectory(prefix="kvd-ev-", dir="/tmp") as directory:
         section = KVEventsSection(enable=True, endpoint=f"ipc://{directory}/pub")
         publisher = KVEventPublisher(section)
         reader = _Reader(section.endpoint)
+        dynamo = None
         try:
+            if indexer:
+                from kvd.bench.fleet import DynamoIndexer
+
+                say("starting Dynamo's KV indexer on the event socket")
+                block = engines[1].layout.block_size
+                dynamo = DynamoIndexer([section.endpoint], block, Path(directory) / "indexer.log")
+            deadline = time.monotonic() + 60  # every subscriber in before the first step
+            while publisher.subscribers_joined < 1 + indexer and time.monotonic() < deadline:
+                time.sleep(0.01)
             publisher.attach(on.kv.enable_events())
             arrivals = iter(enumerate(work))
             pending = True
@@ -152,9 +171,19 @@ def run_kv_events_bench(
             deadline = time.monotonic() + 10
             while publisher.published < publisher.accepted and time.monotonic() < deadline:
                 time.sleep(0.01)
+            if dynamo is not None:
+                pool = on.kv.findable_blocks()["global"]
+                deadline = time.monotonic() + 30  # it applies batches on threads of its own
+                held = dynamo.blocks(1)[0]
+                while held != pool and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    held = dynamo.blocks(1)[0]
+                checked = (dynamo.version, held, pool, dynamo.decode_errors())
         finally:
             publisher.close()
             reader.close()
+            if dynamo is not None:
+                dynamo.close()
     off_ms = statistics.fmean(times[False]) * 1e3
     on_ms = statistics.fmean(times[True]) * 1e3
     pairs = [b / a for a, b in zip(times[False], times[True], strict=True)]
@@ -169,6 +198,7 @@ def run_kv_events_bench(
         statistics.median(pairs),
         told,
         reader.received,
+        *(checked or ()),
     )
 
 
@@ -186,4 +216,13 @@ def render(report: KVEventsBenchReport) -> str:
             "step pair",
             f"blocks told: {report.blocks_told:,}; batches received: {report.batches_received:,}",
         ]
+        + (
+            []
+            if report.indexer is None
+            else [
+                f"Dynamo's KV indexer (ai-dynamo-runtime {report.indexer}) on the same socket: "
+                f"holds {report.indexer_blocks} blocks, the pool {report.pool_blocks} "
+                f"full-attention blocks; decode errors {report.indexer_decode_errors}"
+            ]
+        )
     )
