@@ -276,15 +276,18 @@ class DynamoIndexer:
         found = reply.json()["scores"]
         return {int(worker) - 1: sum(ranks.values()) for worker, ranks in found.items()}
 
-    def blocks(self, replicas: int) -> list[int]:
-        """Device blocks held per replica, from its dump."""
+    def held(self, replicas: int) -> list[set[int]]:
+        """The device blocks' hashes it holds per replica, from its dump."""
         held: list[set[int]] = [set() for _ in range(replicas)]
         for index in self.http.get("/dump").json().values():
             for entry in index["events"]:
                 stored = entry["event"]["data"].get("stored")
                 if stored is not None and entry["storage_tier"] == "device":
                     held[entry["worker_id"] - 1] |= {b["block_hash"] for b in stored["blocks"]}
-        return [len(h) for h in held]
+        return held
+
+    def blocks(self, replicas: int) -> list[int]:
+        return [len(h) for h in self.held(replicas)]
 
     def decode_errors(self) -> int:
         return sum("Failed to decode" in line for line in self.log.read_text().splitlines())

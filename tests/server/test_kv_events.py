@@ -39,9 +39,14 @@ def events_config(tmp_path: Path, **section: Any) -> tuple[Path, str, str]:
 
 
 def replay_from(endpoint: str, start: int) -> list[tuple[int, list[Any]]]:
+    """Every batch from ``start`` the replay socket holds, decoded."""
+    return [(seq, msgspec.msgpack.decode(p)) for seq, p in replay_payloads(endpoint, start)]
+
+
+def replay_payloads(endpoint: str, start: int) -> list[tuple[int, bytes]]:
     """Ask the replay socket for every batch from ``start``: the 8-byte start
     sent, ``[seq, payload]`` read until seq -1 (a DEALER, which takes the
-    ROUTER's many replies where a REQ would take one)."""
+    ROUTER's many replies where a REQ would take one); the payloads as sent."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -56,7 +61,7 @@ def replay_from(endpoint: str, start: int) -> list[tuple[int, list[Any]]]:
             if seq == END_OF_REPLAY:
                 assert payload == b""
                 break
-            batches.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+            batches.append((int.from_bytes(seq, "big"), payload))
     finally:
         sock.close()
         context.term()
