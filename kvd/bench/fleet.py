@@ -26,6 +26,7 @@ blocks as ``kvctl status`` counts full-attention blocks in its pool.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 import shutil
 import socket
@@ -299,26 +300,50 @@ class DynamoIndexer:
 
 
 class EventsRouter:
-    """Each request to the replica the indexer scores highest for its prompt
-    in its tenant's namespace; on a tie, the one with the fewest requests in
-    flight (llm-d's precise prefix scorer, with load as the tie-breaker)."""
+    """Each request to the replica that holds the longest prefix of its prompt
+    in its tenant's namespace, by Dynamo's indexer, or will hold it: a
+    request routed but not finished yet counts for its replica (its blocks
+    are not cached, so not published, until it computes them; Dynamo's own
+    router and llm-d count in-flight prefixes the same way). On a tie, the
+    replica with the fewest requests in flight."""
 
-    def __init__(self, indexer: DynamoIndexer, urls: list[str], encode: Any) -> None:
+    def __init__(
+        self, indexer: DynamoIndexer, urls: list[str], encode: Any, block_size: int
+    ) -> None:
         self.indexer, self.urls, self.encode = indexer, urls, encode
+        self.block_size = block_size
         self.busy = [0] * len(urls)
+        self.routed: dict[int, tuple[int, str, list[int]]] = {}  # in flight: replica, tenant, ids
+        self.tickets = itertools.count()
         self.lock = threading.Lock()
 
     def send(self, tokens: int, item: tuple[str, str]) -> Completion:
         tenant, prompt = item
-        scores = self.indexer.scores(self.encode(prompt), f"tenant:{tenant}")
+        ids = self.encode(prompt)
+        scores = self.indexer.scores(ids, f"tenant:{tenant}")
         with self.lock:
+            for replica, owner, other in self.routed.values():
+                if owner == tenant:
+                    shared = _common_prefix(ids, other) // self.block_size * self.block_size
+                    scores[replica] = max(scores.get(replica, 0), shared)
             i = max(range(len(self.urls)), key=lambda r: (scores.get(r, 0), -self.busy[r], -r))
             self.busy[i] += 1
+            ticket = next(self.tickets)
+            self.routed[ticket] = (i, tenant, ids)
         try:
             return _send(self.urls[i], tokens, item)
         finally:
             with self.lock:
                 self.busy[i] -= 1
+                del self.routed[ticket]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _status(directory: Path) -> dict[str, Any]:
@@ -425,7 +450,7 @@ def run_fleet_bench(
                 if policy == KV_EVENTS:
                     assert indexer is not None
                     say(f"{policy} (Dynamo's indexer): {len(work)} requests, {clients} clients")
-                    send = EventsRouter(indexer, urls, tokenizer.encode).send
+                    send = EventsRouter(indexer, urls, tokenizer.encode, 16).send
                 elif policy == ONE_REPLICA:
                     say(f"{policy}: {len(work)} requests from {clients} clients")
                     send = partial(_send, urls[0])
