@@ -67,9 +67,7 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     ]
 
 
-def _one_run(
-    generator: Any, prompts: list[list[int]], params: Any
-) -> tuple[float, float, float]:
+def _one_run(generator: Any, prompts: list[list[int]], params: Any) -> tuple[float, float, float]:
     """(time to the last first token, decode tokens/s after it, total seconds)."""
     generator.kv.flush_cache()
     start = time.perf_counter()

@@ -373,16 +373,15 @@ def _check_indexer(
         time.sleep(0.2)
         held = indexer.blocks(len(directories))
     crossings = queries = 0
-    for tenant, prompt in work:
+    strangers = [f"tenant:{t}" for t in TENANTS if t not in SHARED_BY]
+    for _tenant, prompt in work:
         tokens = encode(prompt)
-        others = [None] + [f"tenant:{t}" for t in TENANTS if prompt.startswith("Shared")
-                           and t not in SHARED_BY]  # fmt: skip
-        for namespace in others:
+        # No namespace finds anything (no public prefix here); the shared
+        # document is nobody's in the namespaces of those who never sent it.
+        for namespace in [None, *(strangers if prompt.startswith("Shared") else [])]:
             queries += 1
             crossings += any(indexer.scores(tokens, namespace).values())
-    return IndexerCheck(
-        indexer.version, indexer.decode_errors(), held, pools, crossings, queries
-    )
+    return IndexerCheck(indexer.version, indexer.decode_errors(), held, pools, crossings, queries)
 
 
 def _flush(directories: list[Path]) -> None:
@@ -416,11 +415,10 @@ def run_fleet_bench(
 ) -> FleetReport:
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_tokenizer
 
-    unknown = [p for p in policies if p not in (*SMG_POLICIES, KV_EVENTS, ONE_REPLICA)]
+    known = (*SMG_POLICIES, KV_EVENTS, ONE_REPLICA)
+    unknown = [p for p in policies if p not in known]
     if unknown:
-        raise ValueError(
-            f"unknown policy {unknown[0]!r}: one of {', '.join((*SMG_POLICIES, KV_EVENTS, ONE_REPLICA))}"
-        )
+        raise ValueError(f"unknown policy {unknown[0]!r}: one of {', '.join(known)}")
     model = "random" if quick else EMBEDDED_MODEL
     shape = QUICK_DAEMON if quick else DaemonShape(2048, 16, 256, "96MiB")
     work = workload(documents, questions, 60 if quick else 120, seed=11)

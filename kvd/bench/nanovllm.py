@@ -22,6 +22,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 
 PREFIX_TOKENS = 256

@@ -128,6 +128,7 @@ def sample(
     reads the logits in place (a branch passing them through would copy
     them).
     """
+
     def choose(logits: jax.Array) -> jax.Array:
         maxima = block_maxima(logits)
         greedy = first_argmax(logits, maxima)
@@ -199,7 +200,7 @@ def first_argmax(values: jax.Array, maxima: jax.Array | None = None) -> jax.Arra
     best = jnp.max(maxima, axis=0)
     block = _first_where(maxima == best, blocks - 1)
     inside = _block_values(values, block, size)  # [S, B]
-    return block * size + _first_where(inside.T == best, size - 1)
+    return block * size + _first_where(best == inside.T, size - 1)
 
 
 def _first_where(found: jax.Array, missing: int) -> jax.Array:
@@ -432,9 +433,9 @@ def draw_by_blocks(
     exponentials over the vocabulary). That is common on a real model's
     logits at temperature 1: their bulk holds most of the mass and a block's
     maximum bounds it loosely (the 270M's, 2026-12-05: a proposal kept 7% of
-    the time, median over 54 rows; the candidates held 7% of the mass). Each row's random numbers come from
-    its seed, position and proposal's number (``uniforms``): what it draws
-    depends on its logits and those alone."""
+    the time, median over 54 rows; the candidates held 7% of the mass). Each
+    row's random numbers come from its seed, position and proposal's number
+    (``uniforms``): what it draws depends on its logits and those alone."""
     vocab, seqs = logits.shape
     blocks = maxima.shape[0]
     size = vocab // blocks

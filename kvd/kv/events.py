@@ -190,7 +190,8 @@ def published_chain(
     chain = []
     for offset, scope in enumerate(scopes):
         block = start + offset
-        parent = published_hash(parent, scope, tokens[block * block_size : (block + 1) * block_size])
+        span = tokens[block * block_size : (block + 1) * block_size]
+        parent = published_hash(parent, scope, span)
         chain.append(parent)
     return chain
 

@@ -30,9 +30,8 @@ before the step reads it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 

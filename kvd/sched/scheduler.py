@@ -74,6 +74,7 @@ __all__ = [
     "TenantStats",
 ]
 
+
 class Launched(NamedTuple):
     """A dispatched step whose sampled tokens are not recorded yet."""
 
@@ -379,7 +380,13 @@ class Scheduler:
             slots, before = slots[keep], before[:, keep]
         if work:
             self.tokens.record(
-                work, seqs, slots, before, output, events, launched.constrained,
+                work,
+                seqs,
+                slots,
+                before,
+                output,
+                events,
+                launched.constrained,
                 pending=self.config.overlap,
             )
 

@@ -121,9 +121,7 @@ class Runtime:
         self._snapshot_at = 0.0
         # Commands, each with what to do instead if the engine fails first, and
         # whether it needs the step in flight read first (admin changes).
-        self._inbox: deque[tuple[Callable[[], object], Callable[[], object] | None, bool]] = (
-            deque()
-        )
+        self._inbox: deque[tuple[Callable[[], object], Callable[[], object] | None, bool]] = deque()
         self._wake = trio.Event()
         self._live: dict[str, Ticket] = {}
         self._idle = trio.Event()

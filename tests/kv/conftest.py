@@ -109,7 +109,9 @@ class Subscriber:
         assert all(2**32 <= h < 2**63 for h in hashes)
         assert all(entry is None or None not in entry for entry in extra)
         first = extra[0] or []
-        tagged = [k[len(SALT_TAG) :] for k in first if isinstance(k, str) and k.startswith(SALT_TAG)]
+        tagged = [
+            k.removeprefix(SALT_TAG) for k in first if isinstance(k, str) and k.startswith(SALT_TAG)
+        ]
         namespace = tagged[0] if tagged else None
         # One namespace per event: every block says the event's own.
         assert all((entry or [None])[0] == (first or [None])[0] for entry in extra)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from msgspec.structs import replace
-
 import numpy as np
 import pytest
+from msgspec.structs import replace
 
 from kvd.kv.columns import PLACEHOLDER
 from kvd.kv.ledger import BudgetMode
@@ -22,8 +21,8 @@ from kvd.sched.scheduler import Scheduler, SchedulerConfig, StepEvent, TenantCon
 from kvd.sched.simulated import SimulatedExecutor
 from kvd.sched.stepplan import StepPlan
 from tests.sched.conftest import MakeEngine
-from tests.sched.test_constraints import Alternating
 from tests.sched.simulated import Clock, greedy, make_executor
+from tests.sched.test_constraints import Alternating
 
 
 class EndsOn:

@@ -146,9 +146,7 @@ def llm_d_decode(payload: bytes) -> list[dict[str, Any]]:
             assert extra_keys is None or all(e is None or isinstance(e, list) for e in extra_keys)
             assert group is None or (type(group) is int and group >= 0)
             assert medium in (None, "GPU", "CPU") and lora_name is None
-            decoded.append(
-                {"tag": tag, "hashes": hashes, "extra_keys": extra_keys, "kind": kind}
-            )
+            decoded.append({"tag": tag, "hashes": hashes, "extra_keys": extra_keys, "kind": kind})
         elif tag == "BlockRemoved":
             assert len(event) >= 2
             assert all(type(h) is int and 2**32 <= h < 2**64 for h in event[1])
