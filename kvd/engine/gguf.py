@@ -62,10 +62,6 @@ class TensorInfo:
     offset: int  # absolute offset of the data in the file
     nbytes: int
 
-    @property
-    def type_name(self) -> str:
-        return TENSOR_TYPES[self.type_id][0]
-
 
 class GGUFFile:
     """An open GGUF file: ``metadata`` (key -> value) and ``tensors`` (name -> info)."""

@@ -52,11 +52,6 @@ def is_quantised(dtype: Any) -> bool:
     return bool(jnp.dtype(dtype) == jnp.int8)
 
 
-def stored_width(head_dim: int, group: int) -> int:
-    """Elements of one stored row: the values and their scales' bytes."""
-    return head_dim + head_dim // group * SCALE_LANES
-
-
 def quantise(x: jax.Array, group: int | None = None) -> jax.Array:
     """``[..., H]`` float -> ``[..., H + 4H/group]`` int8 (values, then scales)."""
     head_dim = x.shape[-1]

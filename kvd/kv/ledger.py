@@ -191,6 +191,3 @@ class Ledger:
         if self.mode is BudgetMode.FREE:
             return account.used
         return max(0, account.used - account.reservation)
-
-    def total_used(self) -> int:
-        return sum(a.used for a in self.accounts.values())
