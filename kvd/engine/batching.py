@@ -292,16 +292,20 @@ class SequenceRows:
         """The token histories of ``rows`` ``[len(rows), history_width]`` (-1
         past each end), brought up to ``ends`` for the penalized rows of
         ``seqs`` (the first ``len(seqs)`` of ``rows``): only the tokens a row
-        has not written yet are copied."""
+        has not written yet are copied, and only known ones: a newest token a
+        step in flight sampled stays -1 here (the head reads it on the
+        device), and is copied once known."""
         if self.history is None:
             self.history = np.full((len(self.ints), self.history_width), -1, np.int32)
         history, filled = self.history, self.filled
         for i in np.flatnonzero(self.penalized(rows[: len(seqs)])).tolist():
             row, end = int(rows[i]), int(ends[i])
+            known = min(end, seqs[i].known_tokens)
             start = int(filled[row])
-            if start < end:
-                history[row, start:end] = seqs[i].tokens[start:end]
-                filled[row] = end
+            if start < known:
+                history[row, start:known] = seqs[i].tokens[start:known]
+                filled[row] = known
+            history[row, known:end] = -1  # not an older sequence's token
         return history[rows]
 
 

@@ -187,14 +187,19 @@ def head_and_sample(
     floats: jax.Array,
     history: jax.Array,
     allowed: jax.Array,
+    previous: jax.Array,
+    newest: jax.Array,
     *,
     seqs: int,
 ) -> tuple[jax.Array, ...]:
     """Logits and sampling for the first S rows (``run_body``'s, already through
     the final norm), from packed sampling arrays
     (one ``SequenceRows`` sampling row per sequence), the token histories
-    ``[S, H]`` (read only when a row has a penalty) and the structured-output
-    token bitmasks ``[S, W]`` (applied only when a row is not all ones)."""
+    ``[S, H]`` (read only when a row has a penalty), the structured-output
+    token bitmasks ``[S, W]`` (applied only when a row is not all ones), and
+    per row the row of ``previous`` (the last step's sampled tokens) holding
+    its newest token, which the host's history lacks while that step is in
+    flight, or -1."""
     ints = ints.reshape(seqs, SAMPLING_INTS)
     floats = floats.reshape(seqs, SAMPLING_FLOATS)
     sampling = SamplingBatch(
@@ -216,6 +221,7 @@ def head_and_sample(
         repetition=floats[:, SAMPLING_PENALTIES + 2],
         history=history,
         allowed=allowed,
+        newest=jnp.where(newest >= 0, previous[jnp.maximum(newest, 0)], -1),
     )
     tokens, *rest = sample(normed_logits(spec, params, rows[:seqs]), sampling, end_ids)
     # Padded to every row, one shape whatever the bucket: the next step's
@@ -434,7 +440,7 @@ class Engine:
         self._warm = False
         self._max_blocks = max_blocks
         self._rows = self._new_rows()
-        self._minus_ones: dict[tuple[int, int], Any] = {}  # by shape (``_constant``)
+        self._minus_ones: dict[tuple[int, ...], Any] = {}  # by shape (``_constant``)
         self.mask_words = mask_words(self.vocab_size)
         self._table_edits: list[tuple[int, int, int, int]] = []
         self.kv: KVManager | None = None  # whose tables the steps read (``bind``)
@@ -480,7 +486,7 @@ class Engine:
             return self._put(padded)
         return self._constant((seqs_bucket, self.mask_words))
 
-    def _constant(self, shape: tuple[int, int]) -> Any:
+    def _constant(self, shape: tuple[int, ...]) -> Any:
         """An int32 device array of -1s of ``shape``, made once: the head's
         input for a step no row of which has a penalty (empty histories) or a
         grammar (all-ones bitmasks), so nothing is sent per step."""
@@ -643,6 +649,8 @@ class Engine:
         floats = self._spec((seqs * SAMPLING_FLOATS,), jnp.float32)
         history = self._spec((seqs, self.config.max_model_len), jnp.int32)
         allowed = self._spec((seqs, self.mask_words), jnp.int32)
+        previous = self._spec((self.config.max_num_seqs,), jnp.int32)
+        newest = self._spec((seqs,), jnp.int32)
         return self._program(
             ("head", seqs, 0),
             self._head,
@@ -652,6 +660,8 @@ class Engine:
             floats,
             history,
             allowed,
+            previous,
+            newest,
             seqs=seqs,
         )
 
@@ -761,8 +771,20 @@ class Engine:
         hidden, self._every_hidden, self.pool = body_program(
             self.params, self.pool, self._put(flat), self._every_hidden, self._previous
         )
+        newest = self._constant((seqs_bucket,))
+        if sources is not None and (sources >= 0).any():
+            padded = np.full(seqs_bucket, -1, np.int32)
+            padded[:count] = sources
+            newest = self._put(padded)
         sampled, logprobs, top_ids, top_logprobs = head_program(
-            self.params, hidden, self._put(ints), self._put(floats), history, allowed
+            self.params,
+            hidden,
+            self._put(ints),
+            self._put(floats),
+            history,
+            allowed,
+            self._previous,
+            newest,
         )
         self._previous = sampled
         # Prompt scores read this step's hidden states, which the next step's

@@ -80,6 +80,9 @@ class SamplingBatch(NamedTuple):
     frequency: jax.Array  # [S] f32, 0 = off
     repetition: jax.Array  # [S] f32, 1 = off
     history: jax.Array  # [S, H] int32: the tokens at positions 0.. (read below ``positions``)
+    # [S] int32: the token at ``positions - 1`` where the host does not have it
+    # yet (an overlapped step: the previous step sampled it), else -1.
+    newest: jax.Array | None = None
     # [S, W] int32 token bitmasks (bit t % 32 of word t // 32: token t may be
     # sampled; all ones: a row without a grammar); None: no row has one.
     allowed: jax.Array | None = None
@@ -335,6 +338,12 @@ def _penalize(logits: jax.Array, params: SamplingBatch, rows: jax.Array) -> jax.
     valid = rows < seqs
     at_row = jnp.minimum(rows, seqs - 1)
     history = params.history[at_row]  # [P, H]
+    if params.newest is not None:  # a token still on the device joins its row's history
+        newest, last = params.newest[at_row], jnp.maximum(params.positions[at_row] - 1, 0)
+        gathered = jnp.arange(history.shape[0])
+        history = history.at[gathered, last].set(
+            jnp.where(newest >= 0, newest, history[gathered, last]), mode="drop"
+        )
     where = jnp.arange(history.shape[1])[None, :]
     known = (where < params.positions[at_row][:, None]) & valid[:, None]
     generated = known & (where >= params.prompt_end[at_row][:, None])

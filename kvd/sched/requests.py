@@ -205,8 +205,9 @@ class SlotInfo:
         self.ignore_eos = np.zeros(0, np.bool_)  # the model's end tokens do not end it
         # The request's own stop_token_ids, -1 padded: sampling one ends it.
         self.stop_ids = np.full((0, MAX_STOP_IDS), -1, np.int64)
-        # Its step needs its newest token on the host (a grammar's mask, a
-        # penalty's history): overlapped, it waits for a token in flight.
+        # Its step needs its newest token on the host (a grammar's mask):
+        # overlapped, it waits for a token in flight. (A penalty's history
+        # takes a token in flight on the device: no wait.)
         self.waits = np.zeros(0, np.bool_)
 
     def start(

@@ -552,7 +552,7 @@ class Scheduler:
                 self.book.tenant_index[request.tenant],
                 request.params.ignore_eos,
                 request.params.stop_token_ids,
-                waits=request.constraint is not None or request.params.penalized,
+                waits=request.constraint is not None,
             )
         seq = request.seq
         if seq.pending:

@@ -320,15 +320,19 @@ def test_no_placeholder_reaches_the_prefix_cache_or_its_events() -> None:
 
 
 def test_rows_that_need_their_token_on_the_host_wait_and_the_others_do_not() -> None:
-    """A penalized row waits a step for its newest token; a free row in the
-    same batch does not."""
+    """A grammar's row waits a step for its newest token (its mask is made
+    on the host from it); a free row and a penalized one (whose history
+    takes a token in flight on the device) in the same batch do not."""
     scheduler, counting = simulated()
     penalized = SamplingParams(temperature=0.0, max_tokens=10, presence_penalty=0.5)
     scheduler.submit("free", "t", PROMPT, greedy(10))
     scheduler.submit("penalized", "t", PROMPT, penalized)
+    scheduler.submit("grammar", "t", PROMPT, greedy(10), constraint=Alternating(10, vocab=48))
     events = drive(scheduler)
-    assert len([e for e in events["penalized"] if e.token is not None]) == 10
+    for name in ("free", "penalized", "grammar"):
+        assert len([e for e in events[name] if e.token is not None]) == 10, name
     assert counting.rows[1] == counting.rows[2] == 10  # one dispatch per token
-    free_steps = [i for i, ids in enumerate(counting.steps) if 1 in ids]
-    assert free_steps == list(range(10))  # the free row never waits
-    assert any(2 not in ids for ids in counting.steps[:10])  # the penalized one does
+    for row in (1, 2):  # free and penalized: every step from the first
+        assert [i for i, ids in enumerate(counting.steps) if row in ids] == list(range(10))
+    # The grammar's row (its prompt's prefill in two chunks) waits every other step.
+    assert any(3 not in ids for ids in counting.steps[:10])
