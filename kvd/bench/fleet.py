@@ -301,7 +301,8 @@ class DynamoIndexer:
 
 class EventsRouter:
     """Each request to the replica that holds the longest prefix of its prompt
-    in its tenant's namespace, by Dynamo's indexer, or will hold it: a
+    in its tenant's namespace or in none (a public prefix), by Dynamo's
+    indexer, or will hold it: a
     request routed but not finished yet counts for its replica (its blocks
     are not cached, so not published, until it computes them; Dynamo's own
     router and llm-d count in-flight prefixes the same way). On a tie, the
@@ -321,6 +322,10 @@ class EventsRouter:
         tenant, prompt = item
         ids = self.encode(prompt)
         scores = self.indexer.scores(ids, f"tenant:{tenant}")
+        # Public prefixes are indexed without a namespace, and Dynamo seeds every
+        # block of a salted query with the salt: they score only when asked so.
+        for replica, tokens in self.indexer.scores(ids, None).items():
+            scores[replica] = max(scores.get(replica, 0), tokens)
         with self.lock:
             for replica, owner, other in self.routed.values():
                 if owner == tenant:
