@@ -224,8 +224,6 @@ class PagePool:
             if remaining:
                 self.public[page] = remaining
                 continue
-            if self.key[page] is None:  # a descendant of a page forgotten here
-                continue
             if self.holders[page] is None:
                 del self.lru[page]
                 self._forget(page)
