@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import os
 import time
 from array import array
 from collections.abc import Sequence
@@ -165,6 +166,17 @@ def as_array(event: Event) -> list[Any]:
 
 
 _PUBLISHED = hashlib.blake2b(key=b"kvd kv events v1", digest_size=8)
+# A private block told without its tokens (``PrivateBlocks.HASHES``) goes out
+# under its published hash keyed again with this process's secret: anyone can
+# compute a published hash, so an observer could otherwise test a guess of a
+# tenant's text against it. Routers match such a block to nothing anyway.
+_CONCEALED = hashlib.blake2b(key=os.urandom(32), digest_size=8)
+
+
+def _conceal(published: int) -> int:
+    digest = _CONCEALED.copy()
+    digest.update(published.to_bytes(8, "little"))
+    return int.from_bytes(digest.digest(), "big") >> 2 | 1 << 62
 
 
 def published_hash(parent: int | None, scope: bytes, tokens: Sequence[int]) -> int:
@@ -266,12 +278,19 @@ class KVEventLog:
         parent: int | None,
         tokens: Sequence[int],
         scope: bytes,
+        parent_private: bool = False,
     ) -> None:
         """A computed block became findable on the device; ``published``: its
-        published hash, ``parent``: its parent's (``published_chain``)."""
+        published hash, ``parent``: its parent's (``published_chain``), which
+        is a private block's if ``parent_private``."""
         meta = self._meta.get(key)
         if meta is None:
-            meta = _Meta(published, parent, tuple(tokens), scope_namespace(scope))
+            namespace = scope_namespace(scope)
+            if namespace is not None and self.private_blocks is PrivateBlocks.HASHES:
+                published = _conceal(published)
+                if parent is not None and parent_private:
+                    parent = _conceal(parent)
+            meta = _Meta(published, parent, tuple(tokens), namespace)
             self._meta[key] = meta
         self._add(key, meta, GPU)
 

@@ -10,7 +10,7 @@ from collections.abc import Container
 from kvd.kv.events import KVEventLog, published_chain
 from kvd.kv.records import KVError, PrefixHit
 from kvd.kv.registry import SequenceRegistry
-from kvd.kv.scope import Scope, chain_hashes, resolve_scope
+from kvd.kv.scope import PUBLIC_SCOPE, Scope, chain_hashes, resolve_scope
 from kvd.kv.sequence import Residency, Sequence
 
 
@@ -186,6 +186,7 @@ class PrefixCache:
             published[block - 1] if block else None,
             seq.tokens[block * size : (block + 1) * size],
             scope.of_block(block),
+            parent_private=bool(block) and scope.of_block(block - 1) != PUBLIC_SCOPE,
         )
 
 

@@ -3,10 +3,12 @@ and that it never learns more of a tenant's blocks than the operator chose."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvd.kv import KVManager, PageLayout
-from kvd.kv.events import GPU, BlockStored, EventEncoding, PrivateBlocks
+from kvd.kv.events import GPU, BlockStored, EventEncoding, PrivateBlocks, published_hash
+from kvd.kv.scope import PUBLIC_SCOPE
 from kvd.kv.sequence import Sequence
 from tests.kv.conftest import BLOCK, Subscriber, make_kv
 
@@ -75,11 +77,21 @@ def test_the_operator_chooses_what_a_private_block_reveals(
     private = {k for k, namespace in sub.namespace.items() if namespace is not None}
     public = sub.held(GPU) - private
     assert public and all(sub.tokens[k] for k in public)  # public text is always told
+    # What anyone can compute of the text: the chain of published hashes.
+    first = published_hash(None, PUBLIC_SCOPE, PREFIX[:BLOCK])
+    second = published_hash(first, PUBLIC_SCOPE, PREFIX[BLOCK:])
+    guess = published_hash(second, msgspec.msgpack.encode(("tenant", "a", None)), [1, 2, 3, 4])
+    assert {h for _, h in public} == {first, second}
     if choice is PrivateBlocks.TOKEN_IDS:
         assert private and all(sub.tokens[k] == [1, 2, 3, 4] for k in private)
+        assert {h for _, h in private} == {guess}
         assert sub.held(GPU) == view(kv)
     elif choice is PrivateBlocks.HASHES:
         assert private and all(sub.tokens[k] == [] for k in private)
+        # Without its tokens, a guess of a tenant's text cannot be checked
+        # against its hash: that is keyed with the process's secret.
+        assert {h for _, h in private} & {guess} == set()
+        assert all(sub.parents[k] == second for k in private)
         assert sub.held(GPU) == view(kv)
     else:
         assert not private and sub.held(GPU) < view(kv)
