@@ -545,16 +545,15 @@ def bench_scheduler(
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_fleet(replicas: int, policies: str, clients: int, quick: bool, as_json: bool) -> None:
     """Replicas behind a real gateway (smg): prefix-cache hits, TTFT, tokens/s per policy."""
-    from kvd.bench.fleet import KV_EVENTS, ONE_REPLICA, SMG_POLICIES, render, run_fleet_bench
+    from kvd.bench.fleet import POLICIES, render, run_fleet_bench
 
     chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
     if not chosen:
         raise click.BadParameter("name at least one policy", param_hint="--policy")
-    known = (*SMG_POLICIES, KV_EVENTS, ONE_REPLICA)
     for policy in chosen:
-        if policy not in known:
+        if policy not in POLICIES:
             raise click.BadParameter(
-                f"unknown policy {policy!r}: one of {', '.join(known)}", param_hint="--policy"
+                f"unknown policy {policy!r}: one of {', '.join(POLICIES)}", param_hint="--policy"
             )
     try:
         report = run_fleet_bench(

@@ -58,6 +58,7 @@ TENANTS = ("acme", "globex", "initech", "umbrella")
 MODEL_ID = "fleet"
 SMG_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 KV_EVENTS, ONE_REPLICA = "kv_events", "one_replica"
+POLICIES = (*SMG_POLICIES, KV_EVENTS, ONE_REPLICA)
 SHARED_BY = TENANTS[:2]  # the tenants that ask about the shared document
 
 
@@ -290,6 +291,16 @@ class DynamoIndexer:
     def blocks(self, replicas: int) -> list[int]:
         return [len(h) for h in self.held(replicas)]
 
+    def caught_up(self, pools: list[int], timeout: float = 30) -> list[int]:
+        """The blocks it holds per replica once they are ``pools`` (it applies
+        batches on threads of its own), or as they are after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        held = self.blocks(len(pools))
+        while held != pools and time.monotonic() < deadline:
+            time.sleep(0.1)
+            held = self.blocks(len(pools))
+        return held
+
     def decode_errors(self) -> int:
         return sum("Failed to decode" in line for line in self.log.read_text().splitlines())
 
@@ -351,14 +362,15 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _kvctl(directory: Path, *args: str) -> bytes:
+    """The real kvctl on a replica's admin socket; its standard output."""
+    command = [sys.executable, "-m", "kvctl.cli", "--socket", f"{directory}/admin.sock", *args]
+    return subprocess.run(command, check=True, capture_output=True).stdout
+
+
 def _status(directory: Path) -> dict[str, Any]:
     """``kvctl status --json`` of a replica."""
-    out = subprocess.run(
-        [sys.executable, "-m", "kvctl.cli", "--socket", f"{directory}/admin.sock", "status",
-         "--json"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return msgspec.json.decode(out.stdout)  # type: ignore[no-any-return]
+    return msgspec.json.decode(_kvctl(directory, "status", "--json"))  # type: ignore[no-any-return]
 
 
 def _check_indexer(
@@ -372,11 +384,7 @@ def _check_indexer(
     query scores text a tenant never sent (the shared document, for the
     tenants that never asked about it; anything, without a namespace)."""
     pools = [_status(d)["pool"]["findable_blocks"]["global"] for d in directories]
-    deadline = time.monotonic() + 30
-    held = indexer.blocks(len(directories))
-    while held != pools and time.monotonic() < deadline:
-        time.sleep(0.2)
-        held = indexer.blocks(len(directories))
+    held = indexer.caught_up(pools)
     crossings = queries = 0
     strangers = [f"tenant:{t}" for t in TENANTS if t not in SHARED_BY]
     for _tenant, prompt in work:
@@ -391,11 +399,7 @@ def _check_indexer(
 
 def _flush(directories: list[Path]) -> None:
     for directory in directories:
-        subprocess.run(
-            [sys.executable, "-m", "kvctl.cli", "--socket", f"{directory}/admin.sock", "flush"],
-            check=True,
-            capture_output=True,
-        )
+        _kvctl(directory, "flush")
 
 
 def _send(url: str, tokens: int, item: tuple[str, str]) -> Completion:
@@ -420,10 +424,9 @@ def run_fleet_bench(
 ) -> FleetReport:
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_tokenizer
 
-    known = (*SMG_POLICIES, KV_EVENTS, ONE_REPLICA)
-    unknown = [p for p in policies if p not in known]
+    unknown = [p for p in policies if p not in POLICIES]
     if unknown:
-        raise ValueError(f"unknown policy {unknown[0]!r}: one of {', '.join(known)}")
+        raise ValueError(f"unknown policy {unknown[0]!r}: one of {', '.join(POLICIES)}")
     model = "random" if quick else EMBEDDED_MODEL
     shape = QUICK_DAEMON if quick else DaemonShape(2048, 16, 256, "96MiB")
     work = workload(documents, questions, 60 if quick else 120, seed=11)

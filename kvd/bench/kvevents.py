@@ -173,11 +173,7 @@ def run_kv_events_bench(
                 time.sleep(0.01)
             if dynamo is not None:
                 pool = on.kv.findable_blocks()["global"]
-                deadline = time.monotonic() + 30  # it applies batches on threads of its own
-                held = dynamo.blocks(1)[0]
-                while held != pool and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                    held = dynamo.blocks(1)[0]
+                (held,) = dynamo.caught_up([pool])
                 checked = (dynamo.version, held, pool, dynamo.decode_errors())
         finally:
             publisher.close()

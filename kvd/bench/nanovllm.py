@@ -80,10 +80,9 @@ def load(checkout: Path) -> types.SimpleNamespace:
     return types.SimpleNamespace(**modules)
 
 
-def overhead_ms(checkout: Path, running: int, steps: int) -> tuple[float, float]:
+def overhead_ms(nano: types.SimpleNamespace, running: int, steps: int) -> tuple[float, float]:
     """(p50, mean) milliseconds of nano-vllm's host work per decode step with
-    ``running`` sequences."""
-    nano = load(checkout)
+    ``running`` sequences (``nano``: its modules, from ``load``)."""
     nano.sequence.Sequence.block_size = BLOCK_SIZE
     per_seq = -(-(PREFIX_TOKENS + UNIQUE_TOKENS + NEW_TOKENS) // BLOCK_SIZE)
     scheduler = nano.scheduler.Scheduler(

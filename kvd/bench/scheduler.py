@@ -107,15 +107,15 @@ def run_scheduler_bench(
     size right after kvd's (``kvd.bench.nanovllm``)."""
     from kvd.bench import nanovllm
 
-    if nano_vllm is not None:
-        nanovllm.load(nano_vllm)  # a missing checkout fails before the long part
+    # Loaded first: a missing checkout fails before the long part.
+    nano = None if nano_vllm is None else nanovllm.load(nano_vllm)
     overhead = []
     for running in sizes:
         say(f"scheduler overhead at {running} running sequences")
         figures = bench_overhead(running, steps)
-        if nano_vllm is not None:
+        if nano is not None:
             say(f"nano-vllm's scheduler at {running} running sequences")
-            p50, _mean = nanovllm.overhead_ms(nano_vllm, running, steps)
+            p50, _mean = nanovllm.overhead_ms(nano, running, steps)
             figures = msgspec.structs.replace(figures, anchor_p50_ms=p50)
         overhead.append(figures)
     anchor = None if nano_vllm is None else f"nano-vllm at {nano_vllm}"

@@ -772,7 +772,7 @@ class Engine:
             self.params, self.pool, self._put(flat), self._every_hidden, self._previous
         )
         newest = self._constant((seqs_bucket,))
-        if sources is not None and (sources >= 0).any():
+        if sources is not None:
             padded = np.full(seqs_bucket, -1, np.int32)
             padded[:count] = sources
             newest = self._put(padded)

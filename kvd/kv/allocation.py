@@ -204,12 +204,12 @@ class Allocator:
         claimed = [self.registry.host.claim(key) for key in keys]
         pages = self.registry.pool.take(seq.tenant, len(keys))
         live = self.registry.public.live_ids()
-        pool, chained = self.registry.pool, self.registry.global_groups
+        pool = self.registry.pool
         for (g, block), key, held, page in zip(hit.reloads, keys, claimed, pages, strict=True):
             seq.tables[g][block] = page
             self.registry.host.copy_in(held, page)
             public = held.public & live if held.public is not None else None
-            parent = (g, hashes[block - 1]) if block and g in chained else None
+            parent = self.prefix.parent_key(g, hashes, block)
             registered = (held.public is None or bool(public)) and pool.register(
                 page, key, public or None, parent
             )

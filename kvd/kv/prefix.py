@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from kvd.kv.events import KVEventLog, published_chain
+from kvd.kv.events import CacheKey, KVEventLog, published_chain
 from kvd.kv.records import KVError, PrefixHit
 from kvd.kv.registry import SequenceRegistry
 from kvd.kv.scope import PUBLIC_SCOPE, Scope, chain_hashes, resolve_scope
@@ -35,6 +35,14 @@ class PrefixCache:
             seq.hashes = []
             seq.published = []
         return scope
+
+    def parent_key(self, group: int, hashes: list[bytes], block: int) -> CacheKey | None:
+        """The key a block of ``group`` chains on in the pool's tree: the
+        block before it in a full-attention group; None for a first block, or
+        in a sliding group (its blocks need no chain)."""
+        if block and group in self.registry.global_groups:
+            return group, hashes[block - 1]
+        return None
 
     def extend_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         hashes = seq.hashes
@@ -136,13 +144,13 @@ class PrefixCache:
         hashes = self.extend_hashes(seq, stop)
         register = self.registry.pool.register
         events = self.registry.pool.events
-        chained = self.registry.global_groups  # a block there needs its parent findable
+        parent_key = self.parent_key
         if not scope.public_matches:  # no public prefix in this chain: every page stays private
             for block in range(start, stop):
                 key_hash = hashes[block]
                 for g, table in enumerate(seq.tables):
                     page = table[block]
-                    parent = (g, hashes[block - 1]) if block and g in chained else None
+                    parent = parent_key(g, hashes, block)
                     registered = page and register(page, (g, key_hash), None, parent)
                     if registered and events is not None:
                         self._tell_stored(events, seq, hashes, block, g)
@@ -159,7 +167,7 @@ class PrefixCache:
             key_hash = hashes[block]
             for g, table in enumerate(seq.tables):
                 page = table[block]
-                parent = (g, hashes[block - 1]) if block and g in chained else None
+                parent = parent_key(g, hashes, block)
                 registered = page and register(page, (g, key_hash), public, parent)
                 if registered and events is not None:
                     self._tell_stored(events, seq, hashes, block, g)
