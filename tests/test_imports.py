@@ -12,10 +12,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvd"
+KERNELS = ROOT / "kernels"  # a source root of its own, holding kvd_kernels
 
 # Each package imports only packages of a lower rank (kvd's own modules of
 # one concept, faults/units/clikit, sit below them all).
 RANKS = {
+    "kvd_kernels": 0,  # pure functions over arrays: a leaf
     "kvd.kv": 1,
     "kvd.sched": 2,
     "kvd.engine": 3,
@@ -30,12 +32,13 @@ RANKS = {
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    root = KERNELS if path.is_relative_to(KERNELS) else ROOT
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def import_graph() -> dict[str, set[str]]:
-    files = [*PACKAGE.rglob("*.py"), *(ROOT / "kvctl").rglob("*.py")]
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "kvctl").rglob("*.py"), *KERNELS.rglob("*.py")]
     modules = {_module_name(p): p for p in files}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
@@ -86,7 +89,9 @@ def test_no_import_circle() -> None:
 
 def package_of(module: str) -> str:
     """``kvd.sched.book`` -> ``kvd.sched``; a top-level module (``kvd.cli``,
-    ``kvctl.admin``) is its own."""
+    ``kvctl.admin``) is its own; ``kvd_kernels`` is one package."""
+    if module.split(".")[0] == "kvd_kernels":
+        return "kvd_kernels"
     return ".".join(module.split(".")[:2])
 
 
@@ -118,12 +123,22 @@ def test_packages_depend_one_way() -> None:
     assert not any(graph[p] & RANKS.keys() for p in unranked), {p: graph[p] for p in unranked}
 
 
-def test_the_attention_kernel_lives_under_the_engine() -> None:
+def test_the_kernels_are_a_top_level_leaf_the_engine_uses() -> None:
+    """kernels/ beside kvd/ (the design card's layout) holds kvd_kernels; it
+    leaves the import name kernels to Hugging Face's, which transformers
+    requires, so kernels/ itself is no package."""
     graph = import_graph()
-    kernel = "kvd.engine.kernels.ragged_paged_attention"
+    assert not (KERNELS / "__init__.py").exists()
+    kernel = "kvd_kernels.ragged_paged_attention"
     assert kernel in graph
-    assert not (ROOT / "kernels").exists()
-    assert all(t.startswith(("kvd.engine", "kvd.kv")) for t in graph[kernel]), graph[kernel]
+    assert not (PACKAGE / "engine" / "kernels").exists()
+    for path in KERNELS.rglob("*.py"):  # not even a deferred import of kvd
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] in ("kvd", "kvctl") for n in names), (path, names)
+    assert kernel in graph["kvd.engine.attention"]
 
 
 def test_the_scheduler_and_kv_core_import_no_jax() -> None:

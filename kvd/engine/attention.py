@@ -1,6 +1,6 @@
 """Paged attention for a ragged batch: the one function a TPU kernel replaces.
 
-The contract (shared with ``kvd/engine/kernels/ragged_paged_attention.py``): a flattened
+The contract (shared with ``kernels/ragged_paged_attention.py``): a flattened
 batch of prefill chunks and decode tokens, the tokens of one sequence
 contiguous and in position order. Each token attends over its own sequence's
 pages, found through the block table, under a causal mask and, on sliding
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvd.engine.kvquant import from_pool
+from kvd.engine.kvquant import dequantise, from_pool, is_quantised
 
 # Which implementation ``attend`` traces: "auto" (the Pallas kernel on the TPU
 # backend, this reference elsewhere), "reference", "pallas", or
@@ -88,10 +88,16 @@ def attend(
     """The engine's one attention entry point: the kernel or the reference."""
     if implementation == "reference":
         return paged_attention(q, view, place, *args, **kwargs)
-    from kvd.engine.kernels.ragged_paged_attention import ragged_paged_attention
+    from kvd_kernels.ragged_paged_attention import ragged_paged_attention
 
     return ragged_paged_attention(
-        q, view, place, *args, interpret=implementation == "pallas-interpret", **kwargs
+        q,
+        view,
+        place,
+        *args,
+        dequantise=dequantise if is_quantised(view.dtype) else None,
+        interpret=implementation == "pallas-interpret",
+        **kwargs,
     )
 
 

@@ -14,8 +14,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kvd.engine.attention import paged_attention  # noqa: E402
-from kvd.engine.kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
-from kvd.engine.kvquant import quantise  # noqa: E402
+from kvd.engine.kvquant import dequantise, quantise  # noqa: E402
+from kvd_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 
 pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
 
@@ -171,5 +171,5 @@ def test_kernel_dequantises_an_int8_pool_as_the_reference_does(window: int | Non
     )
     assert args["view"].dtype == jnp.int8
     expected = paged_attention(**args)
-    got = ragged_paged_attention(**args, interpret=True)
+    got = ragged_paged_attention(**args, dequantise=dequantise, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)

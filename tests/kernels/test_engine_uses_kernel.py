@@ -28,7 +28,7 @@ def run(monkeypatch: pytest.MonkeyPatch, attention: str) -> list[list[int]]:
 
 
 def test_kernel_and_reference_generate_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvd.engine.kernels.ragged_paged_attention as module
+    import kvd_kernels.ragged_paged_attention as module
 
     traced: list[int] = []
     kernel = module.ragged_paged_attention

@@ -38,8 +38,9 @@ Limits
   default) for f32, 16 for bf16.
 - The pool view is ``[P, places, 2, L, K, H]``; each (page, place, K-or-V)
   block is one ``[L, K, H]`` DMA. An int8 pool's rows are ``H + 4`` (values,
-  then their f32 scale's bytes: kvd/engine/kvquant.py), dequantised in VMEM
-  after the DMA, so the DMA moves half the bytes of bf16. That row width is
+  then their f32 scale's bytes), dequantised in VMEM after the DMA by the
+  ``dequantise`` function the caller passes (the row format is the engine's:
+  kvd/engine/kvquant.py), so the DMA moves half the bytes of bf16. That row width is
   not a multiple of 128 lanes; a production TPU layout would keep the scales
   in lanes of their own (untested here: no TPU in this project's CI).
 """
@@ -47,13 +48,15 @@ Limits
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kvd.engine.kvquant import from_pool
+# Stored rows ``[L, stored]`` and head_dim -> f32 values ``[L, head_dim]``.
+Dequantise = Callable[[jax.Array, int], jax.Array]
 
 NO_WINDOW = 2**30  # "window" of global layers: every earlier key is visible
 
@@ -82,6 +85,7 @@ def _kernel(
     block_size: int,
     num_kv: int,
     head_dim: int,
+    dequantise: Dequantise | None,
 ):
     t, w = pl.program_id(0), pl.program_id(1)
     position = pos_ref[t]
@@ -98,9 +102,8 @@ def _kernel(
     def _compute():
         for head in range(num_kv):  # static: K is small; each head's G queries together
             q = q_ref[head].astype(jnp.float32)  # [G, H]
-            # An int8 pool's rows are [H + 4]: values, then their f32 scale.
-            k = from_pool(k_ref[:, head, :], head_dim, jnp.float32)  # [L, H]
-            v = from_pool(v_ref[:, head, :], head_dim, jnp.float32)
+            k = _rows(k_ref[:, head, :], head_dim, dequantise)  # [L, H]
+            v = _rows(v_ref[:, head, :], head_dim, dequantise)
             scores = (
                 jax.lax.dot_general(
                     q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -143,6 +146,12 @@ def _entry_block(w, position, window, ring, block_size: int):
     return first_key, seen
 
 
+def _rows(stored: jax.Array, head_dim: int, dequantise: Dequantise | None) -> jax.Array:
+    if dequantise is None:
+        return stored.astype(jnp.float32)
+    return dequantise(stored, head_dim).astype(jnp.float32)
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     view: jax.Array,  # [P, places, 2, L, K, H]
@@ -155,11 +164,17 @@ def ragged_paged_attention(
     window: jax.Array | int | None,
     softcap: float | None,
     ring: jax.Array | int | None = None,
+    dequantise: Dequantise | None = None,
     interpret: bool | object = False,
 ) -> jax.Array:
-    """Same arguments and result as the engine's reference ``paged_attention``."""
+    """Same arguments and result as the engine's reference ``paged_attention``.
+
+    A pool whose rows are wider than head_dim (int8 values and their scales)
+    needs ``dequantise``, which turns its rows back into values."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, _, block_size, num_kv, stored = view.shape  # stored: head_dim (+ 4 if int8)
+    _, _, _, block_size, num_kv, stored = view.shape
+    if stored != head_dim and dequantise is None:
+        raise ValueError(f"pool rows of {stored} for head_dim {head_dim} need a dequantise")
     group = num_heads // num_kv
     width = tables.shape[1]
     window_arr = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
@@ -204,6 +219,7 @@ def ragged_paged_attention(
         block_size=block_size,
         num_kv=num_kv,
         head_dim=head_dim,
+        dequantise=dequantise,
     )
     out = pl.pallas_call(
         kernel,

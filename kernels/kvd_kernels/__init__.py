@@ -1,0 +1,1 @@
+"""Pallas kernels: pure functions over arrays, importing nothing from kvd (kernels/README.md)."""

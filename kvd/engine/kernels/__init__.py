@@ -1,1 +1,0 @@
-"""The engine's Pallas TPU kernels (see README.md here)."""
