@@ -169,3 +169,101 @@ def test_the_kv_manager_and_the_scheduler_are_composed_not_inherited() -> None:
     for cls in (KVManager, Scheduler):
         inherited = [c.__qualname__ for c in cls.__mro__[1:] if c.__module__.startswith("kvd")]
         assert not inherited, (cls.__name__, inherited)
+
+
+KV_PARTS = {"pool", "ledger", "host", "columns", "registry"}
+
+
+def _names_a_kv_manager(node: ast.expr) -> bool:
+    """``kv``, ``self.kv``, ``scheduler.kv``, ``kv2``...: how kvd names a KV manager."""
+    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+    return name.startswith("kv") and name[2:].isdigit() or name in ("kv", "_kv")
+
+
+def test_outside_the_kv_core_nobody_reads_the_kv_managers_parts() -> None:
+    """Code outside kvd/kv asks the manager (stats, step_columns, tenant...)."""
+    reads = []
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "kvctl").rglob("*.py")]
+    for path in files:
+        if path.is_relative_to(PACKAGE / "kv"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in KV_PARTS
+                and _names_a_kv_manager(node.value)
+            ):
+                reads.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not reads, reads
+    probe = ast.parse("kv.pool.free; self.kv.ledger; scheduler.kv.registry.host")
+    seen = [
+        n.attr
+        for n in ast.walk(probe)
+        if isinstance(n, ast.Attribute) and n.attr in KV_PARTS and _names_a_kv_manager(n.value)
+    ]
+    assert sorted(seen) == ["ledger", "pool", "registry"], seen  # the check sees such reads
+
+
+def test_the_kv_manager_aliases_nothing_of_its_registry() -> None:
+    from kvd.kv.geometry import preset
+    from kvd.kv.layout import build_layout
+    from kvd.kv.manager import KVManager
+
+    kv = KVManager(build_layout(preset("gemma3-270m"), 16), 64)
+    registry = vars(kv.registry)
+    aliased = [
+        name
+        for name, value in vars(kv).items()
+        if name != "registry"
+        and not isinstance(value, int | str)
+        and any(value is held for held in registry.values())
+        and value is not kv.layout
+    ]
+    assert not aliased, aliased
+
+
+BOOK_WRITES = {"append", "appendleft", "pop", "popleft", "remove", "add", "discard", "clear",
+               "setdefault", "update", "extend"}  # fmt: skip
+
+
+def test_the_scheduler_changes_the_book_only_through_its_methods() -> None:
+    """No scheduler part assigns to a table of the request book, or changes
+    one in place: ``book.running[...] = ...``, ``book.queues[t].append(...)``."""
+
+    def book_table(node: ast.expr) -> bool:  # book.X, self.book.X, book.X[...]
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        return isinstance(node, ast.Attribute) and (
+            isinstance(node.value, ast.Name)
+            and node.value.id == "book"
+            or isinstance(node.value, ast.Attribute)
+            and node.value.attr == "book"
+        )
+
+    writes = []
+    for path in (PACKAGE / "sched").glob("*.py"):
+        if path.name == "book.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.Delete):
+                targets = [node.target] if isinstance(node, ast.AugAssign) else node.targets
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in BOOK_WRITES
+            ):
+                targets = [node.func.value]
+            writes += [f"{path.name}:{node.lineno}" for t in targets if book_table(t)]
+    assert not writes, writes
+    # And no alias of a book table hides one: the scheduler holds none of them.
+    from kvd.sched.scheduler import Scheduler
+    from tests.sched.simulated import make_executor
+
+    scheduler = Scheduler(make_executor())
+    book = vars(scheduler.book)
+    tables = [v for k, v in book.items() if k not in ("kv", "swap_space", "clock")]
+    aliased = [name for name, value in vars(scheduler).items() if any(value is t for t in tables)]
+    assert not aliased, aliased

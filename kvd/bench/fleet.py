@@ -195,7 +195,7 @@ def free_port() -> int:
 def smg_command(
     urls: list[str], policy: str, port: int, gateway_key: str, tenant_keys: dict[str, str]
 ) -> list[str]:
-    """``smg launch`` in front of kvd replicas, as docs/scale-out.md says: the
+    """``smg launch`` in front of kvd replicas, as docs/howto/scale-out.md says: the
     gateway's own key is a kvd tenant's (smg reads the model id from
     ``/v1/models`` with it), every other tenant's key is listed so the
     gateway admits it and forwards it as it came."""

@@ -80,7 +80,7 @@ class _Workload:
         layout = build_layout(preset(model), block_size)
         per_seq = layout.pages_for_tokens(128 + 512)
         self.kv = KVManager(layout, running * per_seq * 5 // 4 + 2, mode=BudgetMode.RESERVE)
-        share = self.kv.pool.capacity // (2 * len(_TENANTS))
+        share = self.kv.stats().capacity_pages // (2 * len(_TENANTS))
         for tenant in _TENANTS:
             self.kv.set_tenant(tenant, TenantBudget(reservation=share))
         self.kv.add_public_prefix("system", _SYSTEM_PROMPT)
@@ -90,7 +90,7 @@ class _Workload:
         for _ in range(running):
             self.arrive()
         # Spread completions so arrivals happen on most steps.
-        for seq in self.kv.sequences.values():
+        for seq in self.kv.live_sequences():
             for _ in range(self.rng.randrange(64)):
                 self.decode(seq)
 
@@ -116,7 +116,7 @@ class _Workload:
     def step(self) -> None:
         done: list[Sequence] = []
         targets, decode = self.targets, self.decode
-        for seq in self.kv.sequences.values():
+        for seq in self.kv.live_sequences():
             decode(seq)
             if len(seq.tokens) >= targets[seq.seq_id]:
                 done.append(seq)

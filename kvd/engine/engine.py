@@ -60,10 +60,9 @@ from kvd.engine.model import (
     prepare_params,
 )
 from kvd.engine.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
-from kvd.kv.columns import BLOCKS, COMPUTED, LAST_TOKEN, LENGTH, SERIAL, TABLE_VERSION
 from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.layout import build_layout
-from kvd.kv.manager import KVManager
+from kvd.kv.manager import KVManager, StepColumns
 from kvd.kv.sequence import Sequence
 from kvd.sched.constraint import mask_words
 from kvd.sched.executor import ExecutorLimits, ParamsLookup, PromptScores, StepOutput
@@ -457,7 +456,7 @@ class Engine:
         """Read block tables from ``kv`` from now on. The per-sequence rows
         cached for the device start over: they were keyed by another manager's
         sequences."""
-        if kv.layout != self.layout or kv.pool.num_pages != self.num_pages:
+        if kv.layout != self.layout or kv.num_pages != self.num_pages:
             raise EngineError("the KV manager's layout or pool size is not this engine's")
         self.kv = kv
         self._rows = self._new_rows()
@@ -683,7 +682,7 @@ class Engine:
         counts: list[int],
         params: ParamsLookup,
         slots: np.ndarray[Any, Any],
-        before: np.ndarray[Any, Any],
+        before: StepColumns,
         masks: np.ndarray[Any, Any] | None = None,
     ) -> StepOutput:
         """``dispatch`` a step and wait for what it sampled."""
@@ -695,7 +694,7 @@ class Engine:
         counts: list[int],
         params: ParamsLookup,
         slots: np.ndarray[Any, Any],
-        before: np.ndarray[Any, Any],
+        before: StepColumns,
         masks: np.ndarray[Any, Any] | None = None,
         sources: np.ndarray[Any, Any] | None = None,
     ) -> EngineStep:
@@ -703,7 +702,7 @@ class Engine:
         allocated) and return at once: the step's ``result()`` is what each
         sampled (the alternatives only when one asked). ``slots``: the
         sequences' ``kv.slots_of``, ``before`` their columns before the step
-        (``kv.columns.matrix[:, slots]``); ``masks``: structured output's
+        (``kv.step_columns(slots)``); ``masks``: structured output's
         token bitmasks, a row per sequence, or None; ``sources``: per
         sequence, the row of the step dispatched last whose sampled token is
         this sequence's newest (a placeholder on the host; it computes one
@@ -719,21 +718,21 @@ class Engine:
             raise EngineError(f"{count} sequences exceed max_num_seqs {self.config.max_num_seqs}")
         if self.kv is None:
             raise EngineError("bind a KV manager before running a step")
-        starts = before[COMPUTED]
+        starts = before.computed
         total = sum(counts)
-        decodes = total == count and bool((before[LENGTH] == starts + 1).all())
+        decodes = total == count and bool((before.length == starts + 1).all())
         tokens_bucket = bucket(total, self.token_buckets)
         seqs_bucket = bucket(count, self.seq_buckets)
-        width = bucket(int(before[BLOCKS].max()), self.block_buckets)
+        width = bucket(int(before.blocks.max()), self.block_buckets)
         cache = self._rows
         rows = np.zeros(self.config.max_num_seqs, np.int64)
         rows[:count] = cache.prepare(
-            seqs, slots, params, before[TABLE_VERSION], before[SERIAL], self._table_edits
+            seqs, slots, params, before.table_version, before.serial, self._table_edits
         )
         tables = cache.tables[:, rows, :width]
         if decodes:  # each computes its newest token: the most common step by far
             flat = pack_decode_step(
-                before[LAST_TOKEN],
+                before.last_token,
                 starts,
                 tables,
                 self.layout.block_size,

@@ -66,7 +66,7 @@ class _Runner:
             n = min(self.chunk, len(seq.tokens) - seq.num_computed)
             kv.allocate(seq, n)
             slots = kv.slots_of([seq])
-            before = kv.columns.matrix[:, slots]
+            before = kv.step_columns(slots)
             sampled = self.engine.run([seq], [n], [self.greedy], slots, before).tokens
             kv.commit(seq, n)
             token = int(sampled[0])

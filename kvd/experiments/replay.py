@@ -205,12 +205,12 @@ def replay(
         events = scheduler.step()
         now += scheduler.last_step_predicted_s or settings.step_fixed_s
         out.steps = scheduler.steps
-        for rid, _tenant, _queue, cached in scheduler.start_log:
+        for rid, _tenant, _queue, cached in scheduler.book.start_log:
             record = records[rid]
             if record.start_step < 0:
                 record.start_step = scheduler.steps
                 record.cached_tokens = cached
-        scheduler.start_log.clear()
+        scheduler.book.start_log.clear()
         for event in events:
             record = records[event.request_id]
             if event.token is not None:
@@ -264,7 +264,7 @@ class _Sampler:
         block = self.block
         for g, window, token_bytes in self.groups:
             valid: dict[int, int] = {}
-            for request in scheduler.running.values():
+            for request in scheduler.book.running.values():
                 seq = request.seq
                 if seq is None or not seq.tables[g]:
                     continue
@@ -282,7 +282,7 @@ class _Sampler:
             live += sum(valid.values()) * token_bytes
             pages_held += len(valid)
         contiguous_live = context = sequences = 0
-        for request in scheduler.running.values():
+        for request in scheduler.book.running.values():
             if request.seq is None:
                 continue
             sequences += 1
@@ -295,7 +295,7 @@ class _Sampler:
             sequences,
             live,
             pages_held * self.page_bytes,
-            scheduler.kv.pool.num_referenced() * self.page_bytes,
+            scheduler.kv.referenced_pages() * self.page_bytes,
             contiguous_live,
             contiguous,
             context,

@@ -15,6 +15,7 @@ from kvd.kv.columns import (
     COMPUTED,
     LENGTH,
     RESIDENT,
+    StepColumns,
 )
 from kvd.kv.events import CPU
 from kvd.kv.prefix import PrefixCache
@@ -225,7 +226,7 @@ class Allocator:
         self,
         seqs: list[Sequence],
         slots: np.ndarray[Any, Any] | None = None,
-        before: np.ndarray[Any, Any] | None = None,
+        step: StepColumns | None = None,
     ) -> list[int]:
         """Room for one more token of every sequence that is one token from
         done (a decode), without the general allocation path; returns the
@@ -242,8 +243,7 @@ class Allocator:
             return []
         if slots is None:
             slots = self.registry.slots_of(seqs)
-        if before is None:
-            before = self.registry.columns.matrix[:, slots]
+        before = self.registry.columns.matrix[:, slots] if step is None else step.matrix
         computed = before[COMPUTED]
         decode = (before[RESIDENT] == 1) & (before[LENGTH] == computed + 1)
         capacity = before[BLOCKS] * self.registry.block_size

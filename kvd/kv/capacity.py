@@ -163,15 +163,15 @@ def kvd_capacity(
     probe = _fresh(geometry, pool_bytes, block_size)
     seq = probe.add_sequence(0, "probe", [0])
     probe.allocate(seq, 1)
-    first_token_sliding = len(probe.sliding_groups) * layout.page_bytes
+    first_token_sliding = len(probe.registry.sliding_groups) * layout.page_bytes
     probe.check_invariants()
     return KvdCapacity(
         block_size=block_size,
         page_bytes=layout.page_bytes,
-        num_pages=probe.pool.capacity,
+        num_pages=probe.registry.pool.capacity,
         groups=layout.num_groups,
-        global_groups=len(probe.global_groups),
-        sliding_groups=len(probe.sliding_groups),
+        global_groups=len(probe.registry.global_groups),
+        sliding_groups=len(probe.registry.sliding_groups),
         padded_layer_places=layout.padded_layer_places(),
         sliding_bytes_first_token=first_token_sliding,
         total_tokens=block_size * max_sequences(geometry, pool_bytes, block_size, block_size),
@@ -217,7 +217,7 @@ def max_sequences(geometry: KVGeometry, pool_bytes: int, block_size: int, length
 
 def _longest(geometry: KVGeometry, pool_bytes: int, block_size: int) -> int | None:
     kv = _fresh(geometry, pool_bytes, block_size)
-    if not kv.global_groups:
+    if not kv.registry.global_groups:
         return None  # sliding layers release as they go: length is not bounded by the pool
     seq = kv.add_sequence(0, "probe", [0] * block_size)
     while kv.can_allocate(seq, block_size):

@@ -104,3 +104,56 @@ class DetachedColumns(SequenceColumns):
         super().__init__(1)
         self.take(owner)
         self.matrix[:, 0] = source.matrix[:, slot]
+
+
+class StepColumns:
+    """The counters of one step's sequences, gathered once from the columns
+    (``matrix[field, row]``, a row per sequence of the step), read by name:
+    what code outside the KV manager sees of its columns."""
+
+    __slots__ = ("matrix",)
+
+    def __init__(self, matrix: np.ndarray[Any, Any]) -> None:
+        self.matrix = matrix
+
+    def __len__(self) -> int:
+        return int(self.matrix.shape[1])
+
+    def rows(self, which: Any) -> StepColumns:
+        """The same counters for some of the step's sequences (an index or mask)."""
+        return StepColumns(self.matrix[:, which])
+
+    @property
+    def computed(self) -> np.ndarray[Any, Any]:
+        """Tokens whose K/V are written."""
+        return self.matrix[COMPUTED]
+
+    @property
+    def blocks(self) -> np.ndarray[Any, Any]:
+        """Blocks in each of the sequence's tables."""
+        return self.matrix[BLOCKS]
+
+    @property
+    def table_version(self) -> np.ndarray[Any, Any]:
+        """A stamp that changes with the sequence's tables."""
+        return self.matrix[TABLE_VERSION]
+
+    @property
+    def length(self) -> np.ndarray[Any, Any]:
+        """Tokens known: the prompt and what was sampled (pending ones included)."""
+        return self.matrix[LENGTH]
+
+    @property
+    def last_token(self) -> np.ndarray[Any, Any]:
+        """The last known token (PLACEHOLDER while it is pending)."""
+        return self.matrix[LAST_TOKEN]
+
+    @property
+    def serial(self) -> np.ndarray[Any, Any]:
+        """Unique per sequence (a slot's next holder gets another)."""
+        return self.matrix[SERIAL]
+
+    @property
+    def pending(self) -> np.ndarray[Any, Any]:
+        """Tokens at the end sampled by a step still in flight."""
+        return self.matrix[PENDING]

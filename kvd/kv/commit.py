@@ -13,6 +13,7 @@ from kvd.kv.columns import (
     COMPUTED,
     RESIDENT,
     SLIDING_START,
+    StepColumns,
 )
 from kvd.kv.pool import NULL_PAGE
 from kvd.kv.prefix import PrefixCache
@@ -90,10 +91,11 @@ class Committer:
         self._slide_moved(seqs, before, new)
 
     def commit_decodes(
-        self, seqs: list[Sequence], slots: np.ndarray[Any, Any], before: np.ndarray[Any, Any]
+        self, seqs: list[Sequence], slots: np.ndarray[Any, Any], step: StepColumns
     ) -> None:
         """``commit_batch`` of one token each, for ``seqs`` at ``slots`` whose
-        columns before the step are ``before`` (``columns.matrix[:, slots]``)."""
+        columns before the step are ``step``."""
+        before = step.matrix
         computed = before[COMPUTED]
         new = computed + 1
         # Resident (1), with room allocated for the token: the product is >= 1.

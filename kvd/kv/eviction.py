@@ -72,10 +72,10 @@ def plan_eviction(
     the policy: the requester waits (or, if running, the scheduler preempts
     the requester itself).
     """
-    ledger = kv.ledger
+    ledger = kv.registry.ledger
     tenant = requester.tenant
     over_budget = demand.charges - ledger.headroom(tenant) if demand.charges else 0
-    short = demand.idle_pages - kv.pool.num_idle()
+    short = demand.idle_pages - kv.registry.pool.num_idle()
     if over_budget <= 0 and short <= 0:
         return EvictionPlan((), "none-needed")
     sim = _Simulation(kv, requester, hit)
@@ -92,7 +92,7 @@ def plan_eviction(
 
 
 def _resident(kv: KVManager) -> list[Sequence]:
-    return [s for s in kv.sequences.values() if s.residency is Residency.RESIDENT]
+    return [s for s in kv.registry.sequences.values() if s.residency is Residency.RESIDENT]
 
 
 def _eviction_order(seq: Sequence) -> tuple[int, int]:
@@ -114,7 +114,7 @@ class _Simulation:
         if hit is not None:
             for pages in hit.pages:
                 for page in pages:
-                    if page and kv.pool.holders[page] is not None:
+                    if page and kv.registry.pool.holders[page] is not None:
                         self._holders(page)[requester.tenant] = (
                             self._holders(page).get(requester.tenant, 0) + 1
                         )
@@ -122,17 +122,21 @@ class _Simulation:
     def _holders(self, page: int) -> dict[str, int]:
         held = self.holders.get(page)
         if held is None:
-            held = dict(self.kv.pool.holders[page] or {})
+            held = dict(self.kv.registry.pool.holders[page] or {})
             self.holders[page] = held
         return held
 
     def surplus(self, tenant: str) -> int:
-        return self.kv.ledger.surplus(tenant) + self.charged.get(tenant, 0)
+        return self.kv.registry.ledger.surplus(tenant) + self.charged.get(tenant, 0)
 
     def _payer(self, page: int, holders: dict[str, int]) -> str | None:
         if not holders:
             return None
-        return SHARED_ACCOUNT if self.kv.pool.public[page] is not None else next(iter(holders))
+        return (
+            SHARED_ACCOUNT
+            if self.kv.registry.pool.public[page] is not None
+            else next(iter(holders))
+        )
 
     def preview(self, seq: Sequence) -> tuple[int, int]:
         """(pages freed, pages its tenant stops paying) if ``seq`` let go now; no change."""

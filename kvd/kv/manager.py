@@ -32,26 +32,45 @@ and caching), ``allocation.py`` (growing), ``commit.py`` (commits, sliding,
 release), ``swap.py`` (to host memory and back); ``hostcache.py`` keeps
 cached blocks in host memory after eviction, and ``invariants.py`` checks the
 whole. The manager holds the parts, forwards their interface, and owns live
-configuration (tenants, sharing, the host cache's size) and reporting.
+configuration (tenants, sharing, the host cache's size) and reporting. Code
+outside ``kvd.kv`` asks the manager (``step_columns``, ``stats``, ``tenant``
+and the methods below) and never reads the registry's parts: ``registry``
+is for the parts and for tests that inspect them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from kvd.kv.allocation import Allocator
+from kvd.kv.columns import StepColumns
 from kvd.kv.commit import Committer
 from kvd.kv.events import CPU, FULL_ATTENTION, GPU, SLIDING_WINDOW, GroupSpec, KVEventLog
 from kvd.kv.events import PrivateBlocks as PrivateBlocks
 from kvd.kv.geometry import AttentionKind
+from kvd.kv.hostcache import HostCopy
 from kvd.kv.invariants import check_invariants
 from kvd.kv.layout import PageLayout
 from kvd.kv.ledger import BudgetMode, TenantBudget
 from kvd.kv.prefix import PrefixCache
-from kvd.kv.records import Demand, KVError, KVStats, PageCopy, PrefixHit
+from kvd.kv.records import Demand, KVError, KVStats, PageCopy, PrefixHit, TenantKV
 from kvd.kv.registry import SequenceRegistry
 from kvd.kv.scope import SharingPolicy
+from kvd.kv.sequence import Sequence
 from kvd.kv.swap import Swapper
 
-__all__ = ["Demand", "KVError", "KVManager", "KVStats", "PageCopy", "PrefixHit"]
+__all__ = [
+    "Demand",
+    "KVError",
+    "KVManager",
+    "KVStats",
+    "PageCopy",
+    "PrefixHit",
+    "StepColumns",
+    "TenantKV",
+]
 
 
 class KVManager:
@@ -68,19 +87,9 @@ class KVManager:
         self.allocator = allocator = Allocator(registry, prefix)
         self.committer = committer = Committer(registry, prefix)
         self.swapper = swapper = Swapper(registry, prefix)
-        # What the registry holds for good, readable here as the manager's own.
         self.layout = layout
-        self.block_size = registry.block_size
-        self.ledger = registry.ledger
-        self.pool = registry.pool
-        self.host = registry.host
-        self.public = registry.public
-        self.sequences = registry.sequences
-        self.columns = registry.columns
-        self.num_groups = registry.num_groups
-        self.global_groups = registry.global_groups
-        self.sliding_groups = registry.sliding_groups
-        self.window = registry.window
+        self.block_size = layout.block_size
+        self.num_pages = num_pages  # the pool's pages, the null page included
         # The parts' interface, bound once (a step calls several of these).
         self.add_sequence = registry.add_sequence
         self.append_tokens = registry.append_tokens
@@ -115,6 +124,73 @@ class KVManager:
         self.swap_in = swapper.swap_in
 
     @property
+    def mode(self) -> BudgetMode:
+        return self.registry.ledger.mode
+
+    @property
+    def slot_capacity(self) -> int:
+        """Slots the columns hold now (a sequence's ``slot`` is below it; it grows)."""
+        return self.registry.columns.capacity
+
+    def step_columns(self, slots: np.ndarray[Any, Any]) -> StepColumns:
+        """The counters of the sequences at ``slots`` (``slots_of``), gathered once."""
+        return StepColumns(self.registry.columns.matrix[:, slots])
+
+    def live_sequences(self) -> list[Sequence]:
+        """The live sequences, oldest first."""
+        return list(self.registry.sequences.values())
+
+    def public_prefixes(self) -> list[str]:
+        return [name for name, _ in self.registry.public.items()]
+
+    def referenced_pages(self) -> int:
+        """Device pages some live sequence holds (0 once everything finished)."""
+        return self.registry.pool.num_referenced()
+
+    def most_pages(self, tenant: str) -> tuple[int, str]:
+        """(the most pages ``tenant`` may ever hold in this mode, what sets it)."""
+        return self.registry.ledger.most(tenant)
+
+    def tenant(self, name: str) -> TenantKV | None:
+        """``name``'s pages now (None: not a tenant of the ledger)."""
+        ledger = self.registry.ledger
+        account = ledger.accounts.get(name)
+        if account is None:
+            return None
+        return TenantKV(
+            charged_pages=account.used,
+            reserved_pages=account.reservation,
+            cap_pages=account.cap,
+            surplus_pages=ledger.surplus(name),
+            host_cached_pages=self.registry.host.used.get(name, 0),
+        )
+
+    # -- the host budget, which swapped-out sequences share with the host cache
+
+    def host_cache_pages(self) -> int:
+        """The host cache's budget in pages (0: no host cache)."""
+        host = self.registry.host
+        return host.total if host.enabled else 0
+
+    def make_host_room(self, pages: int) -> None:
+        """Drop cached host blocks (least recently used first) until ``pages``
+        more pages of the host budget are free for swapped-out sequences."""
+        self.registry.host.make_room(pages)
+
+    def set_host_swap_held(self, pages: int) -> None:
+        """Swapped-out sequences hold ``pages`` of the host budget."""
+        self.registry.host.swap_held = pages
+
+    def take_host_copies(self) -> list[HostCopy]:
+        """The page copies the host cache queued since the last call, in order
+        (the caller performs them before the next engine step)."""
+        return self.registry.host.take_copies()
+
+    def lose_host_copies(self, rows: set[int]) -> int:
+        """The copies out to ``rows`` failed: their blocks leave the host cache."""
+        return self.registry.host.lose(rows)
+
+    @property
     def policy(self) -> SharingPolicy:
         return self.registry.policy
 
@@ -143,26 +219,26 @@ class KVManager:
         return cls(layout, layout.num_pages(pool_bytes), **kwargs)  # type: ignore[arg-type]
 
     def set_tenant(self, name: str, budget: TenantBudget) -> None:
-        self.ledger.set_tenant(name, budget)
-        self.host.add_account(name)
+        self.registry.ledger.set_tenant(name, budget)
+        self.registry.host.add_account(name)
 
     def remove_tenant(self, name: str) -> None:
         """Forget a tenant; its blocks on the host cache go with it (its idle
         device pages stay cached until evicted, and are then not kept)."""
-        if any(s.tenant == name for s in self.sequences.values()):
+        if any(s.tenant == name for s in self.registry.sequences.values()):
             raise KVError(f"tenant {name!r} still has sequences")
-        self.ledger.remove_tenant(name)
-        self.host.remove_account(name)
+        self.registry.ledger.remove_tenant(name)
+        self.registry.host.remove_account(name)
 
     def enable_host_cache(self, pages: int) -> None:
         """Keep evicted cached pages in a host budget of ``pages`` pages (shared
         with swapped-out sequences); 0 turns the host cache off and empties it."""
         if pages < 0:
             raise ValueError("a host cache cannot hold fewer than 0 pages")
-        self.host.resize(pages)
-        self.pool.host = self.host if pages > 0 else None
+        self.registry.host.resize(pages)
+        self.registry.pool.host = self.registry.host if pages > 0 else None
         if not pages:
-            self.host.drop_where()
+            self.registry.host.drop_where()
 
     def enable_events(self, private_blocks: PrivateBlocks = PrivateBlocks.TOKEN_IDS) -> KVEventLog:
         """Log every block the device or the host cache starts or stops holding, as KV events
@@ -175,17 +251,17 @@ class KVManager:
             for g in self.layout.groups
         ]
         log = KVEventLog(self.block_size, groups, private_blocks)
-        self.pool.events = self.host.events = log
+        self.registry.pool.events = self.registry.host.events = log
         return log
 
     def set_host_quota(self, name: str, pages: int | None) -> int:
         """Most host-cache pages ``name``'s blocks may hold (None: the whole
         host cache); blocks past a lowered quota are dropped at once (returned)."""
-        self.ledger.tenant(name)  # raises BudgetError for an unknown tenant
-        return self.host.set_quota(name, pages)
+        self.registry.ledger.tenant(name)  # raises BudgetError for an unknown tenant
+        return self.registry.host.set_quota(name, pages)
 
     def set_mode(self, mode: BudgetMode) -> None:
-        self.ledger.set_mode(mode)
+        self.registry.ledger.set_mode(mode)
 
     def set_policy(self, policy: SharingPolicy) -> None:
         """Switch the sharing policy; it scopes every lookup from now on."""
@@ -194,26 +270,26 @@ class KVManager:
 
     def add_public_prefix(self, name: str, tokens: list[int]) -> None:
         """Register a public prefix; refused if its pages would break reservations."""
-        if name in self.public:
+        if name in self.registry.public:
             raise ValueError(f"a public prefix named {name!r} already exists")
         if not tokens:
             raise ValueError("a public prefix needs at least one token")
-        self.ledger.set_public_bound(self._public_bound(extra=len(tokens)))
-        self.public.add(name, tokens)
+        self.registry.ledger.set_public_bound(self._public_bound(extra=len(tokens)))
+        self.registry.public.add(name, tokens)
         self.registry.generation += 1
 
     def remove_public_prefix(self, name: str) -> None:
         """Unregister a public prefix; its pages that no other prefix covers
         leave the cache (idle ones are freed, held ones become private)."""
-        prefix_id = self.public.remove(name)
-        self.pool.unpublish(prefix_id)
-        self.host.drop_where(public_id=prefix_id)
-        self.ledger.set_public_bound(self._public_bound())
+        prefix_id = self.registry.public.remove(name)
+        self.registry.pool.unpublish(prefix_id)
+        self.registry.host.drop_where(public_id=prefix_id)
+        self.registry.ledger.set_public_bound(self._public_bound())
         self.registry.generation += 1
 
     def _public_bound(self, extra: int = 0) -> int:
-        lengths = [len(tokens) for _, tokens in self.public.items()] + [extra]
-        return sum(length // self.block_size for length in lengths) * self.num_groups
+        lengths = [len(tokens) for _, tokens in self.registry.public.items()] + [extra]
+        return sum(length // self.block_size for length in lengths) * self.layout.num_groups
 
     def findable_blocks(self) -> dict[str, int]:
         """Blocks the device's prefix cache can serve now, by attention kind
@@ -222,17 +298,17 @@ class KVManager:
         full-attention (global) blocks as this says."""
         kinds = [group.kind for group in self.layout.groups]
         found: dict[str, set[bytes]] = {str(kind): set() for kind in AttentionKind}
-        for group, block_hash in self.pool.index:
+        for group, block_hash in self.registry.pool.index:
             found[str(kinds[group])].add(block_hash)
         return {kind: len(hashes) for kind, hashes in found.items()}
 
     def flush_cache(self) -> int:
         """Forget all cached pages nobody uses, on the device and the host cache; returns how
         many were dropped."""
-        return self.pool.flush() + self.host.drop_where()
+        return self.registry.pool.flush() + self.registry.host.drop_where()
 
     def stats(self) -> KVStats:
-        pool = self.pool
+        pool = self.registry.pool
         return KVStats(
             capacity_pages=pool.capacity,
             page_bytes=self.layout.page_bytes,
@@ -240,18 +316,19 @@ class KVManager:
             free_pages=len(pool.free),
             cached_pages=len(pool.lru),
             referenced_pages=pool.num_referenced(),
-            sequences=len(self.sequences),
+            sequences=len(self.registry.sequences),
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
             cache_evictions=pool.evictions,
             policy=self.policy.value,
-            mode=self.ledger.mode.value,
-            host_pages=self.host.total,
-            host_cached_pages=len(self.host),
-            host_swap_pages=self.host.swap_held,
+            mode=self.registry.ledger.mode.value,
+            reserved_pages=self.registry.ledger.total_reserved(),
+            host_pages=self.registry.host.total,
+            host_cached_pages=len(self.registry.host),
+            host_swap_pages=self.registry.host.swap_held,
             host_hit_tokens=self.host_hit_tokens,
-            host_offloads=self.host.offloaded,
-            host_evictions=self.host.evictions,
+            host_offloads=self.registry.host.offloaded,
+            host_evictions=self.registry.host.evictions,
         )
 
     def check_invariants(self) -> None:
@@ -259,9 +336,15 @@ class KVManager:
         the host cache's charges and quotas hold, and it shares no key with
         the device."""
         check_invariants(self.registry)
-        self.host.check_invariants()
-        assert not self.host.blocks.keys() & self.pool.index.keys(), "a block in both"
-        events = self.pool.events
+        self.registry.host.check_invariants()
+        assert not self.registry.host.blocks.keys() & self.registry.pool.index.keys(), (
+            "a block in both"
+        )
+        events = self.registry.pool.events
         if events is not None:  # subscribers were told what the pool and host cache hold
-            assert events.held(GPU) == self.pool.index.keys(), "events disagree with the pool"
-            assert events.held(CPU) == self.host.blocks.keys(), "events disagree with the host"
+            assert events.held(GPU) == self.registry.pool.index.keys(), (
+                "events disagree with the pool"
+            )
+            assert events.held(CPU) == self.registry.host.blocks.keys(), (
+                "events disagree with the host"
+            )

@@ -57,21 +57,34 @@ class PageCopy(msgspec.Struct, frozen=True):
 
 
 class KVStats(msgspec.Struct, frozen=True):
-    capacity_pages: int
-    page_bytes: int
-    block_size: int
-    free_pages: int
-    cached_pages: int
-    referenced_pages: int
-    sequences: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    cache_evictions: int
-    policy: str
-    mode: str
+    """One snapshot of the pool and the host cache (``KVManager.stats``)."""
+
+    capacity_pages: int  # allocatable device pages (the null page excluded)
+    page_bytes: int  # bytes of one page: one block of one page group
+    block_size: int  # tokens per block
+    free_pages: int  # pages holding nothing
+    cached_pages: int  # pages nobody references, kept for prefix hits (evictable)
+    referenced_pages: int  # pages some live sequence's table holds
+    sequences: int  # live sequences (running, waiting for pages, swapped out)
+    prefix_query_tokens: int  # prompt tokens looked up in the prefix cache, ever
+    prefix_hit_tokens: int  # of those, found cached (device or host cache)
+    cache_evictions: int  # cached pages reclaimed for new work, ever
+    policy: str  # the sharing policy
+    mode: str  # the budget mode
+    reserved_pages: int = 0  # the tenants' reservations, summed
     host_pages: int = 0  # the host budget (swap and the host cache), 0: no host cache
-    host_cached_pages: int = 0
-    host_swap_pages: int = 0
+    host_cached_pages: int = 0  # host pages cached blocks hold
+    host_swap_pages: int = 0  # host pages swapped-out sequences hold
     host_hit_tokens: int = 0  # of prefix_hit_tokens, served from the host cache
-    host_offloads: int = 0
-    host_evictions: int = 0
+    host_offloads: int = 0  # blocks copied to the host cache on eviction, ever
+    host_evictions: int = 0  # blocks the host cache dropped for room, ever
+
+
+class TenantKV(msgspec.Struct, frozen=True):
+    """One tenant's pages (``KVManager.tenant``)."""
+
+    charged_pages: int  # device pages charged to the tenant now
+    reserved_pages: int  # its reservation
+    cap_pages: int | None  # its burst cap (None: none)
+    surplus_pages: int  # charged pages above the guarantee: reclaimable
+    host_cached_pages: int  # host-cache pages its cached blocks hold

@@ -53,10 +53,10 @@ def total_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
 
 
 class Admission:
-    """Changes: the queues, the live requests (``requests``, ``choices``),
-    the tenants' limiters (a request's tokens are charged on arrival) and
-    ``rate_limited`` counts, and the fair-share counters (a tenant becoming
-    active)."""
+    """Changes, through the book's methods (``enqueue``, ``rate_limited``):
+    the queues, the live requests, the tenants' ``rate_limited`` counts and
+    the fair-share counters (a tenant becoming active); and the tenants'
+    limiters, which charge a request's tokens on arrival."""
 
     def __init__(
         self,
@@ -116,7 +116,7 @@ class Admission:
         # Chunks shrink to the pages a tenant may take, so what a request needs
         # is what it holds computed a block at a time.
         pages = self.kv.layout.pages_for_tokens(stop_length)
-        most, limited_by = self.kv.ledger.most(tenant)
+        most, limited_by = self.kv.most_pages(tenant)
         if pages > most:
             raise Rejection(
                 413,
@@ -144,7 +144,7 @@ class Admission:
                 raise Rejection(
                     400, "exceeds_rate_limit", f"{exc}: lower max_tokens or the prompt"
                 ) from None
-            self.book.tenant_stats[tenant].rate_limited += 1
+            self.book.rate_limited(tenant)
             raise Rejection(429, "rate_limited", str(exc), exc.retry_after) from None
         tier_index = self.config.tiers.index(tier_name)
         choices = []
@@ -180,15 +180,5 @@ class Admission:
         lead.forks = choices[1:]
         for fork in lead.forks:
             fork.lead = lead
-        if n > 1:
-            self.book.choices[request_id] = lead
-        if not queue and not self.book.backlogged(tenant):
-            self.book.counters.activate(tenant, self.book.active_tenants())
-        for request in choices:
-            queue.append(request)
-            self.book.requests[request.request_id] = request
-            if stop is not None:
-                self.book.stopping.add(request)
-            if params.stop_token_ids:
-                self.book.with_stop_ids.add(request)
+        self.book.enqueue(lead, choices)
         return lead

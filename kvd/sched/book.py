@@ -1,11 +1,13 @@
 """The scheduler's shared record: tenants with their settings, limiters,
 queues and counts; the live requests by phase; and the logs the daemon reads.
 
-The scheduler's parts (``admission.py``, ``preemption.py``, ``tokens.py``)
-each hold this one record and say, in their docstrings, which of its fields
-they change. Ending a request lives here, as the one way any part ends one:
-its pages, its rate-limit refund, its host pages and its place in every
-table go together.
+The scheduler and its parts (``admission.py``, ``preemption.py``,
+``tokens.py``) each hold this one record and read its tables, but change
+them only through its methods, one per step of a request's way (queued,
+started, preempted, swapped out and in, served, ended), so every table a
+step touches changes together. Ending a request is one of them: its pages,
+its rate-limit refund, its host pages and its place in every table go
+together. Each part's docstring says which of these changes it makes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Residency
@@ -57,6 +62,125 @@ class RequestBook:
         # recovered from, (what, cause).
         self.fault_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
         self.copy_failures: deque[tuple[str, str]] = deque(maxlen=4096)
+
+    def set_tenant(self, tenant: TenantConfig) -> None:
+        """Add ``tenant`` or change its settings; a change of its rate limits
+        starts its limiter afresh, and its queue and counts are kept."""
+        name = tenant.name
+        self.counters.set_weight(name, tenant.weight)
+        old = self.tenants.get(name)
+        if old is None or old.limits != tenant.limits:
+            self.limiters[name] = TenantLimiter(tenant.limits, self.clock())
+        self.tenants[name] = tenant
+        if name not in self.tenant_index:
+            self.tenant_index[name] = len(self.tenant_names)
+            self.tenant_names.append(name)
+        self.queues.setdefault(name, deque())
+        self.tenant_stats.setdefault(name, TenantStats())
+
+    def remove_tenant(self, name: str) -> None:
+        """Forget a tenant (the caller checks it has no live request); its
+        index in ``tenant_names`` stays taken, so slots never change meaning."""
+        for table in (self.tenants, self.limiters, self.queues, self.tenant_stats):
+            table.pop(name, None)
+        self.counters.forget(name)
+
+    # -- a request's way through the tables: each change is one method here,
+    # so the parts change the book only through them.
+
+    def enqueue(self, lead: Request, choices: list[Request]) -> None:
+        """Queue a new request's choices (``lead`` first among them); a tenant
+        that had nothing to do becomes active in the fair-share counters."""
+        tenant = lead.tenant
+        queue = self.queues[tenant]
+        if len(choices) > 1:
+            self.choices[lead.reply_id] = lead
+        if not queue and not self.backlogged(tenant):
+            self.counters.activate(tenant, self.active_tenants())
+        for request in choices:
+            queue.append(request)
+            self.requests[request.request_id] = request
+            if request.stop is not None:
+                self.stopping.add(request)
+            if request.params.stop_token_ids:
+                self.with_stop_ids.add(request)
+
+    def rate_limited(self, tenant: str) -> None:
+        self.tenant_stats[tenant].rate_limited += 1
+
+    def start(self, request: Request) -> None:
+        """A waiting request runs; the first time, its start is logged."""
+        queue = self.queues[request.tenant]
+        if queue[0] is request:
+            queue.popleft()
+        else:  # its own victims went back to the head of the queue, before it
+            queue.remove(request)
+        request.phase = RequestPhase.RUNNING
+        self.add_running(request)
+
+    def log_start(self, request: Request, cached_tokens: int, *, prompt: bool) -> None:
+        """``request`` started with ``cached_tokens`` from the prefix cache;
+        ``prompt``: count its prompt in its tenant's figures (once per request
+        of several choices)."""
+        queue_steps = request.queue_steps or 0
+        self.start_log.append((request.request_id, request.tenant, queue_steps, cached_tokens))
+        if prompt:
+            stats = self.tenant_stats[request.tenant]
+            stats.prompt_tokens += len(request.prompt)
+            stats.cached_tokens += cached_tokens
+
+    def preempted(self, request: Request, kind: str) -> None:
+        """A running request stops running (``kind``: how its pages go)."""
+        self.remove_running(request)
+        request.preemptions += 1
+        self.preemptions += 1
+        self.preemption_log.append((request.request_id, request.tenant, kind))
+
+    def swap_failed(self, request: Request, kind: str, cause: str) -> None:
+        """The copy of ``request``'s pages out failed: it goes as ``kind`` instead."""
+        self.copy_failures.append(("swap_out", cause))
+        self.preemption_log[-1] = (request.request_id, request.tenant, kind)
+
+    def swapped_out(
+        self, request: Request, blocks: list[tuple[int, int]], data: np.ndarray[Any, Any]
+    ) -> None:
+        """``request``'s pages are on the host now: ``data``, a row per block."""
+        self.swap_space.take(request.tenant, len(blocks))
+        request.host_pages = (blocks, data)
+        request.phase = RequestPhase.SWAPPED
+        self.swapped[request.request_id] = request
+        self.tenant_stats[request.tenant].preempted_swap += 1
+
+    def swapped_in(self, request: Request) -> None:
+        """``request``'s pages are back on the device: it runs again."""
+        assert request.host_pages is not None
+        self.swap_space.give(request.tenant, len(request.host_pages[0]))
+        request.host_pages = None
+        request.phase = RequestPhase.RUNNING
+        del self.swapped[request.request_id]
+        self.add_running(request)
+
+    def served(self, tenant: str, tokens: int) -> None:
+        """``tenant`` was given ``tokens`` new tokens: charged to its fair
+        share (once per tenant and step) and counted."""
+        self.counters.charge(tenant, output_tokens=tokens)
+        self.tenant_stats[tenant].completion_tokens += tokens
+
+    def requeued(self, request: Request) -> None:
+        """A preempted request waits at the head of its tenant's queue, to recompute."""
+        request.phase = RequestPhase.WAITING
+        self.queues[request.tenant].appendleft(request)
+        self.tenant_stats[request.tenant].preempted_recompute += 1
+
+    def log_fault(self, request: Request, cause: str) -> None:
+        self.fault_log.append((request.request_id, request.tenant, cause))
+
+    def log_copy_failure(self, what: str, cause: str) -> None:
+        self.copy_failures.append((what, cause))
+
+    def next_step(self) -> int:
+        self.steps += 1
+        return self.steps
 
     def live_requests(self, tenant: str) -> int:
         """Requests of ``tenant`` queued, running or swapped out."""

@@ -141,7 +141,7 @@ def measure_rates(executor: Executor, repeats: int = 3) -> Rates:
     def run(seq: Sequence, n: int) -> float:
         kv.allocate(seq, n)
         slots = kv.slots_of([seq])
-        before = kv.columns.matrix[:, slots]
+        before = kv.step_columns(slots)
         start = time.perf_counter()
         executor.run([seq], [n], [greedy], slots, before)
         executor.barrier()
@@ -169,7 +169,7 @@ def measure_rates(executor: Executor, repeats: int = 3) -> Rates:
     low = min(3, vocab - 1)
     span = max(1, vocab - low)
     layout = executor.layout
-    capacity = kv.pool.capacity
+    capacity = kv.stats().capacity_pages
     big = max(1, min(limits.max_num_batched_tokens, limits.max_model_len - 1))
     while big > 1 and layout.pages_for_tokens(big + 1, big) > capacity:
         big //= 2  # a pool smaller than one step's chunk: calibrate on what it holds

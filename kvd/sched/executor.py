@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from kvd.kv.layout import PageLayout
-from kvd.kv.manager import KVManager
+from kvd.kv.manager import KVManager, StepColumns
 from kvd.kv.sequence import Sequence
 from kvd.sched.sampling_params import SamplingParams
 
@@ -100,7 +100,7 @@ class Executor(Protocol):
         counts: list[int],
         params: ParamsLookup,
         slots: Array,
-        before: Array,
+        before: StepColumns,
         masks: Array | None = None,
     ) -> StepOutput:
         """Compute ``counts[i]`` tokens of ``seqs[i]`` (pages already allocated;
@@ -120,7 +120,7 @@ class Executor(Protocol):
         counts: list[int],
         params: ParamsLookup,
         slots: Array,
-        before: Array,
+        before: StepColumns,
         masks: Array | None = None,
         sources: Array | None = None,
     ) -> PendingStep:

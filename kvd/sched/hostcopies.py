@@ -10,7 +10,7 @@ lets a block go.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,10 +24,12 @@ class HostCopies:
     """Owns ``store``: host-cache block contents by host row, as (the rows of
     one copy, the index in them); None where that copy failed."""
 
-    def __init__(self, kv: KVManager, executor: Executor, failures: deque[tuple[str, str]]) -> None:
+    def __init__(
+        self, kv: KVManager, executor: Executor, failed: Callable[[str, str], None]
+    ) -> None:
         self.kv = kv
         self.executor = executor
-        self.failures = failures  # (what, cause) of copies failed and recovered from
+        self.failed = failed  # told (what, cause) of each copy failed and recovered from
         self.store: dict[int, tuple[Any, int] | None] = {}
 
     def sync(self) -> None:
@@ -37,7 +39,7 @@ class HostCopies:
         step reads them, rows it let go of are dropped. Consecutive copies
         of one kind go as one executor call. Called before every engine step
         and device write."""
-        copies = self.kv.host.take_copies()
+        copies = self.kv.take_host_copies()
         store = self.store
         # Without waiting where the executor can (the engine's gather is
         # ordered before the step that reuses the pages): a row is read on
@@ -53,10 +55,10 @@ class HostCopies:
                     rows = copy_out([copy.page for copy in batch])
                 except Exception as exc:  # noqa: BLE001  # recovered from: the blocks go
                     lost = {copy.row for copy in batch}
-                    self.kv.host.lose(lost)
+                    self.kv.lose_host_copies(lost)
                     for row in lost:
                         store[row] = None
-                    self.failures.append(("offload", f"{type(exc).__name__}: {exc}"))
+                    self.failed("offload", f"{type(exc).__name__}: {exc}")
                     continue
                 for i, copy in enumerate(batch):
                     store[copy.row] = (rows, i)

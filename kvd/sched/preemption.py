@@ -56,9 +56,10 @@ class Preemption:
     """Growing a request's sequence (evicting per policy when it must), and
     preempting and swapping back in.
 
-    Changes: requests' phase between running, waiting and swapped (the
-    ``running``, ``swapped`` and ``queues`` tables), their host pages, the
-    swap space, the preemption counts and log, and failed copies."""
+    Changes, through the book's methods (``preempted``, ``swap_failed``,
+    ``swapped_out``, ``swapped_in``, ``requeued``): requests' phase between
+    running, waiting and swapped, their host pages, the swap space, the
+    preemption counts and log, and failed copies."""
 
     def __init__(
         self,
@@ -149,11 +150,7 @@ class Preemption:
         kind = self.preemption_kind(seq)
         if kind == SWAP and must_free and self.kv.swap_out_pages(seq) < len(seq.held_pages()):
             kind = RECOMPUTE
-        stats = self.book.tenant_stats[request.tenant]
-        self.book.remove_running(request)
-        request.preemptions += 1
-        self.book.preemptions += 1
-        self.book.preemption_log.append((request.request_id, request.tenant, kind))
+        self.book.preempted(request, kind)
         if kind == SWAP:
             copies = self.kv.begin_swap_out(seq)
             self.host_copies.sync()  # blocks it reloaded this step: copied in before out
@@ -164,28 +161,21 @@ class Preemption:
                 # transfer): the device still holds them, so recomputing later
                 # loses nothing. A broken device fails the next step anyway.
                 self.kv.abort_swap_out(seq)
-                self.book.copy_failures.append(("swap_out", f"{type(exc).__name__}: {exc}"))
-                self.book.preemption_log[-1] = (request.request_id, request.tenant, RECOMPUTE)
+                self.book.swap_failed(request, RECOMPUTE, f"{type(exc).__name__}: {exc}")
                 kind = RECOMPUTE
         if kind == SWAP:
             self.kv.finish_swap_out(seq)
-            self.book.swap_space.take(request.tenant, len(copies))
-            request.host_pages = ([(c.group, c.block) for c in copies], data)
-            request.phase = RequestPhase.SWAPPED
-            self.book.swapped[request.request_id] = request
-            stats.preempted_swap += 1
+            self.book.swapped_out(request, [(c.group, c.block) for c in copies], data)
             return
         self.kv.release(seq)  # recompute: tokens kept, pages dropped
-        request.phase = RequestPhase.WAITING
-        self.book.queues[request.tenant].appendleft(request)
-        stats.preempted_recompute += 1
+        self.book.requeued(request)
 
     def can_resume(self, seq: Sequence) -> bool:
         """Its pages fit back, and so does the block its next token needs
         (else it would swap in only to yield again in the same step)."""
         kv = self.kv
         demand = kv.swap_in_demand(seq)
-        extra = kv.num_groups if seq.num_computed >= seq.num_blocks * kv.block_size else 0
+        extra = kv.layout.num_groups if seq.num_computed >= seq.num_blocks * kv.block_size else 0
         pages = demand.fresh_pages + extra
         return kv.fits(seq.tenant, Demand(pages, 0, pages))
 
@@ -201,13 +191,9 @@ class Preemption:
         self.executor.copy_in(
             [c.page for c in copies], data[[rows[(c.group, c.block)] for c in copies]]
         )
-        self.book.swap_space.give(request.tenant, len(blocks))
+        self.book.swapped_in(request)
         if self.rates is not None:
             plan.add_copy(self.rates.swap_s(len(blocks)) / 2)
-        request.host_pages = None
-        request.phase = RequestPhase.RUNNING
-        del self.book.swapped[request.request_id]
-        self.book.add_running(request)
         n = plan.room(seq.num_computed, len(seq.tokens) - seq.num_computed)
         if n > 0:
             granted = self.grow(request, n, None, plan)

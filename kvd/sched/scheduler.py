@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
-from kvd.kv.columns import COMPUTED, LENGTH, PENDING
 from kvd.kv.ledger import BudgetMode, TenantBudget
-from kvd.kv.manager import KVManager
+from kvd.kv.manager import KVManager, StepColumns
 from kvd.kv.records import PrefixHit
 from kvd.kv.sequence import Sequence
 from kvd.sched.admission import Admission
@@ -45,7 +43,6 @@ from kvd.sched.costmodel import Rates, measure_rates
 from kvd.sched.executor import Executor, PendingStep, SequenceFault, StepOutput
 from kvd.sched.hostcopies import HostCopies
 from kvd.sched.preemption import Preemption
-from kvd.sched.ratelimit import TenantLimiter
 from kvd.sched.requests import (
     ParamsOf,
     Rejection,
@@ -81,7 +78,7 @@ class Launched(NamedTuple):
     work: StepWork
     seqs: list[Sequence]
     slots: np.ndarray[Any, Any]
-    before: np.ndarray[Any, Any]  # the sequences' columns before it
+    before: StepColumns  # the sequences' columns before it
     pending: PendingStep
     constrained: bool  # some row follows a grammar
 
@@ -133,30 +130,15 @@ class Scheduler:
         executor.bind(kv)
         self.clock = clock
         kv.enable_host_cache(config.host_pages)
-        self.swap_space = SwapSpace(config.swap_pages, kv.host)
+        self.swap_space = SwapSpace(config.swap_pages, kv)
         self.book = book = RequestBook(kv, self.swap_space, clock)
-        self.host_copies = HostCopies(kv, executor, book.copy_failures)
+        self.host_copies = HostCopies(kv, executor, book.log_copy_failure)
         self.admission = Admission(book, kv, config, limits)
         self.preemption = Preemption(book, kv, executor, config, self.host_copies, rates)
         is_stop = np.zeros(limits.vocab_size, np.bool_)  # by token id
         is_stop[sorted(executor.stop_ids)] = True
         self._slot_info = SlotInfo()
         self.tokens = TokenRecorder(book, kv, self._slot_info, is_stop)
-        # The book's tables and logs, readable here as the scheduler's own.
-        self.tenants = book.tenants
-        self.limiters = book.limiters
-        self.queues = book.queues
-        self.tenant_stats = book.tenant_stats
-        self.counters = book.counters
-        self.requests = book.requests
-        self.choices = book.choices
-        self.running = book.running
-        self.swapped = book.swapped
-        self.preemption_log = book.preemption_log
-        self.start_log = book.start_log
-        self.fault_log = book.fault_log
-        self.copy_failures = book.copy_failures
-        self.host_store = self.host_copies.store
         self.submit = self.admission.submit
         self.live_requests = book.live_requests
         self.sync_host_cache = self.host_copies.sync
@@ -172,7 +154,7 @@ class Scheduler:
         # the row of that step whose sampled token a sequence holds as a
         # placeholder; the events of a step read early (``settle``).
         self._in_flight: Launched | None = None
-        self._source_row = np.full(kv.columns.capacity, -1, np.int64)
+        self._source_row = np.full(kv.slot_capacity, -1, np.int64)
         self._settled: list[StepEvent] = []
         # Per public prefix: [requests that started with it, of those served
         # from cache, prompt tokens served from cache].
@@ -209,20 +191,10 @@ class Scheduler:
             raise ValueError(
                 f"unknown tier {tenant.tier!r} (tiers: {', '.join(self.config.tiers)})"
             )
-        book = self.book
         self.kv.set_tenant(tenant.name, TenantBudget(tenant.reservation_pages, tenant.cap_pages))
         self.kv.set_host_quota(tenant.name, tenant.host_quota_pages)
         self.sync_host_cache()  # a lowered quota's blocks are gone now, data included
-        book.counters.set_weight(tenant.name, tenant.weight)
-        old = book.tenants.get(tenant.name)
-        if old is None or old.limits != tenant.limits:
-            book.limiters[tenant.name] = TenantLimiter(tenant.limits, self.clock())
-        book.tenants[tenant.name] = tenant
-        if tenant.name not in book.tenant_index:
-            book.tenant_index[tenant.name] = len(book.tenant_names)
-            book.tenant_names.append(tenant.name)
-        book.queues.setdefault(tenant.name, deque())
-        book.tenant_stats.setdefault(tenant.name, TenantStats())
+        self.book.set_tenant(tenant)
 
     def remove_tenant(self, name: str) -> None:
         """Forget a tenant with no live request (refused otherwise)."""
@@ -234,9 +206,7 @@ class Scheduler:
             raise ValueError(f"tenant {name!r} has {live} live requests: drain them first")
         self.kv.remove_tenant(name)
         self.sync_host_cache()
-        for table in (book.tenants, book.limiters, book.queues, book.tenant_stats):
-            table.pop(name, None)
-        book.counters.forget(name)
+        book.remove_tenant(name)
 
     def flush_cache(self) -> int:
         """Forget every cached block nobody uses, in the pool and the host
@@ -260,9 +230,9 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(
-            self.running
-            or self.swapped
-            or any(self.queues.values())
+            self.book.running
+            or self.book.swapped
+            or any(self.book.queues.values())
             or self._in_flight is not None
             or self._settled
         )
@@ -273,7 +243,7 @@ class Scheduler:
         whose tokens the device computed while this one was planned)."""
         events, self._settled = self._settled, []
         now = self.clock()
-        self.book.steps += 1
+        self.book.next_step()
         self._expire(now, events)
         target = self.config.target_step_ms
         plan = StepPlan(
@@ -337,12 +307,12 @@ class Scheduler:
         failed, and nothing ran."""
         kv = self.kv
         requests, counts = work.requests, work.counts
-        before = kv.columns.matrix[:, slots]  # the step's counters, gathered once
+        before = kv.step_columns(slots)  # the step's counters, gathered once
         self.sync_host_cache()
         masks = self._constraint_masks(requests, counts, before)
         sources = None
-        if self.config.overlap and (before[PENDING] > 0).any():
-            sources = np.where(before[PENDING] > 0, self._source_row[slots], -1)
+        if self.config.overlap and (before.pending > 0).any():
+            sources = np.where(before.pending > 0, self._source_row[slots], -1)
         try:
             pending = self.executor.dispatch(
                 seqs, counts, ParamsOf(requests), slots, before, masks, sources
@@ -358,9 +328,9 @@ class Scheduler:
             kv.commit_batch(seqs, counts, slots)
         if self.config.overlap:
             rows = np.flatnonzero(sampling_rows(counts, before))
-            kv.append_pending([seqs[i] for i in rows], slots[rows], before[LENGTH, rows])
-            if len(self._source_row) < kv.columns.capacity:
-                grown = np.full(kv.columns.capacity, -1, np.int64)
+            kv.append_pending([seqs[i] for i in rows], slots[rows], before.length[rows])
+            if len(self._source_row) < kv.slot_capacity:
+                grown = np.full(kv.slot_capacity, -1, np.int64)
                 grown[: len(self._source_row)] = self._source_row
                 self._source_row = grown
             self._source_row[slots[rows]] = rows
@@ -377,7 +347,7 @@ class Scheduler:
             keep = [i for i, r in enumerate(work.requests) if r.phase is not finished]
             work, output = _rows_of(work, output, keep)
             seqs = [seqs[i] for i in keep]
-            slots, before = slots[keep], before[:, keep]
+            slots, before = slots[keep], before.rows(keep)
         if work:
             self.tokens.record(
                 work,
@@ -391,7 +361,7 @@ class Scheduler:
             )
 
     def _constraint_masks(
-        self, requests: list[Request], counts: list[int], before: np.ndarray[Any, Any]
+        self, requests: list[Request], counts: list[int], before: StepColumns
     ) -> np.ndarray[Any, Any] | None:
         """The tokens each structured-output row may sample this step (a
         bitmask row per request; all ones for the others), or None when no
@@ -416,20 +386,20 @@ class Scheduler:
         kv = self.kv
         seqs: list[Sequence] = [request.seq for request in order]  # type: ignore[misc]
         slots = kv.slots_of(seqs)
-        before = kv.columns.matrix[:, slots]
+        before = kv.step_columns(slots)
         if self._in_flight is not None:
             # A row whose newest token is still on the device waits for it when
             # that token may be its last (its length) or the step needs it on
             # the host (a grammar's mask, a penalty's history).
             info = self._slot_info
-            hold = (before[PENDING] > 0) & (
-                info.waits[slots] | (before[LENGTH] >= info.stop_length[slots])
+            hold = (before.pending > 0) & (
+                info.waits[slots] | (before.length >= info.stop_length[slots])
             )
             if hold.any():
                 run = np.flatnonzero(~hold)
                 order = [order[i] for i in run.tolist()]
                 seqs = [seqs[i] for i in run.tolist()]
-                slots, before = slots[run], before[:, run]
+                slots, before = slots[run], before.rows(run)
                 if not order:
                     return []
         if len(order) <= plan.max_seqs and len(order) <= plan.tokens_left:
@@ -441,16 +411,16 @@ class Scheduler:
             self._decode_slots = (order, seqs, slots)  # step() reuses them
             left = kv.extend_decodes(seqs, slots, before)
             if not left:
-                plan.add_decodes(order, int(before[COMPUTED].sum()))
+                plan.add_decodes(order, int(before.computed.sum()))
                 return []
-            decode = before[LENGTH] == before[COMPUTED] + 1
+            decode = before.length == before.computed + 1
             waiting = set(left)
             fast = [i for i in range(len(order)) if i not in waiting]
-            plan.add_decodes([order[i] for i in fast], int(before[COMPUTED][fast].sum()))
+            plan.add_decodes([order[i] for i in fast], int(before.computed[fast].sum()))
             slow = [order[i] for i in left if decode[i]]
             prefilling = [order[i] for i in left if not decode[i]]
         else:
-            decode = before[LENGTH] == before[COMPUTED] + 1
+            decode = before.length == before.computed + 1
             slow = [r for r, d in zip(order, decode.tolist(), strict=True) if d]
             prefilling = [r for r, d in zip(order, decode.tolist(), strict=True) if not d]
         running = RequestPhase.RUNNING
@@ -472,7 +442,7 @@ class Scheduler:
         own: dict[str, list[tuple[Request, RequestPhase]]] = {}
         for request in prefilling:
             own.setdefault(request.tenant, []).append((request, RequestPhase.RUNNING))
-        for request in sorted(self.swapped.values(), key=lambda r: r.order_key):
+        for request in sorted(self.book.swapped.values(), key=lambda r: r.order_key):
             own.setdefault(request.tenant, []).append((request, RequestPhase.SWAPPED))
         blocked: set[str] = set()
         while not plan.full():
@@ -510,14 +480,14 @@ class Scheduler:
         tenants' queues wait for the next step; their running work does not."""
         best: Request | None = None
         best_key: tuple[int, float, int, str] | None = None
-        free = self.kv.ledger.mode is BudgetMode.FREE
-        counters = self.counters
-        for tenant in own.keys() | self.queues.keys():
+        free = self.kv.mode is BudgetMode.FREE
+        counters = self.book.counters
+        for tenant in own.keys() | self.book.queues.keys():
             mine = own.get(tenant)
             while mine and mine[0][0].phase is not mine[0][1]:
                 mine.pop(0)  # preempted (or finished) since it was listed
             head = mine[0][0] if mine else None
-            queue = self.queues.get(tenant) if tenant not in blocked else None
+            queue = self.book.queues.get(tenant) if tenant not in blocked else None
             if queue and (head is None or queue[0].tier < head.tier):
                 head = queue[0]
             if head is None:
@@ -547,7 +517,7 @@ class Scheduler:
             )
             self._slot_info.start(
                 request.seq.slot,
-                kv.columns.capacity,
+                kv.slot_capacity,
                 request.stop_length,
                 self.book.tenant_index[request.tenant],
                 request.params.ignore_eos,
@@ -566,29 +536,19 @@ class Scheduler:
         granted = self.preemption.grow(request, n, hit, plan)
         if not granted:
             return False
-        queue = self.queues[request.tenant]
-        if queue[0] is request:
-            queue.popleft()
-        else:  # its own victims went back to the head of the queue, before it
-            queue.remove(request)
-        request.phase = RequestPhase.RUNNING
-        self.book.add_running(request)
+        self.book.start(request)
         if request.started_at is None:
             request.started_at = now
             request.cached_tokens = hit.num_tokens
             request.queue_steps = self.steps - 1 - request.arrival_step
-            self.start_log.append(
-                (request.request_id, request.tenant, request.queue_steps, hit.num_tokens)
-            )
-            if lead is None:  # a request's prompt, counted once for all its choices
+            # A request's prompt counts once for all its choices.
+            self.book.log_start(request, hit.num_tokens, prompt=lead is None)
+            if lead is None:
                 for fork in request.forks:
                     fork.deadline = None  # the request has started
-                stats = self.tenant_stats[request.tenant]
-                stats.prompt_tokens += len(request.prompt)
-                stats.cached_tokens += hit.num_tokens
                 self._count_prefix_hit(hit)
         if not request.charged_input and lead is None:
-            self.counters.charge(request.tenant, input_tokens=len(request.prompt))
+            self.book.counters.charge(request.tenant, input_tokens=len(request.prompt))
             request.charged_input = True
         if hit.reloads and self.rates is not None:
             plan.add_copy(self.rates.swap_s(len(hit.reloads)) / 2)
@@ -619,13 +579,13 @@ class Scheduler:
         """End ``request`` alone for a fault of its own (its pages go back)."""
         self.book.finish(request, "error")
         detail = f"{type(cause).__name__}: {cause}"
-        self.fault_log.append((request.request_id, request.tenant, detail))
+        self.book.log_fault(request, detail)
         events.append(
             StepEvent(request.reply_id, None, 0.0, True, "error", detail, choice=request.choice)
         )
 
     def _expire(self, now: float, events: list[StepEvent]) -> None:
-        for queue in self.queues.values():
+        for queue in self.book.queues.values():
             # Only requests that never started: a preempted one re-queued is not late.
             expired = [
                 r
@@ -641,43 +601,33 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv = self.kv
         tenants: dict[str, TenantStats] = {}
-        for name, base in self.tenant_stats.items():
-            account = kv.ledger.accounts.get(name)
+        for name, base in self.book.tenant_stats.items():
+            pages = kv.tenant(name)
             stats = msgspec.structs.replace(
                 base,
-                running=sum(1 for r in self.running.values() if r.tenant == name),
-                waiting=len(self.queues[name]),
-                swapped=sum(1 for r in self.swapped.values() if r.tenant == name),
-                pages_used=account.used if account else 0,
-                pages_reserved=account.reservation if account else 0,
-                pages_cap=account.cap if account else None,
-                surplus_pages=kv.ledger.surplus(name) if account else 0,
+                running=sum(1 for r in self.book.running.values() if r.tenant == name),
+                waiting=len(self.book.queues[name]),
+                swapped=sum(1 for r in self.book.swapped.values() if r.tenant == name),
+                pages_used=pages.charged_pages if pages else 0,
+                pages_reserved=pages.reserved_pages if pages else 0,
+                pages_cap=pages.cap_pages if pages else None,
+                surplus_pages=pages.surplus_pages if pages else 0,
                 host_swap_pages=self.swap_space.used.get(name, 0),
-                host_cached_pages=kv.host.used.get(name, 0),
-                service=self.counters.service.get(name, 0.0),
+                host_cached_pages=pages.host_cached_pages if pages else 0,
+                service=self.book.counters.service.get(name, 0.0),
             )
             tenants[name] = stats
         rates = self.rates
         return SchedulerStats(
             steps=self.steps,
-            running=len(self.running),
-            waiting=sum(len(q) for q in self.queues.values()),
-            swapped=len(self.swapped),
-            free_pages=len(kv.pool.free),
-            cached_pages=len(kv.pool.lru),
-            used_pages=kv.pool.num_referenced(),
-            prefix_query_tokens=kv.prefix_query_tokens,
-            prefix_hit_tokens=kv.prefix_hit_tokens,
+            running=len(self.book.running),
+            waiting=sum(len(q) for q in self.book.queues.values()),
+            swapped=len(self.book.swapped),
+            kv=kv.stats(),
             preempted_recompute=sum(t.preempted_recompute for t in tenants.values()),
             preempted_swap=sum(t.preempted_swap for t in tenants.values()),
             tenants=tenants,
             prefill_tokens_per_s=rates.prefill_tokens_per_s if rates else None,
             copy_bytes_per_s=rates.copy_bytes_per_s if rates else None,
             crossover_tokens=rates.crossover_tokens() if rates else None,
-            host_pages=kv.host.total,
-            host_cached_pages=len(kv.host),
-            host_swap_pages=self.swap_space.held,
-            host_hit_tokens=kv.host_hit_tokens,
-            host_offloads=kv.host.offloaded,
-            host_evictions=kv.host.evictions,
         )

@@ -25,9 +25,8 @@ from typing import Any
 import numpy as np
 
 from kvd import faults
-from kvd.kv.columns import COMPUTED
 from kvd.kv.layout import PageLayout
-from kvd.kv.manager import KVManager
+from kvd.kv.manager import KVManager, StepColumns
 from kvd.kv.sequence import Sequence
 from kvd.sched.constraint import allowed_tokens
 from kvd.sched.executor import (
@@ -146,7 +145,7 @@ class SimulatedExecutor:
         self._overrides: dict[int, tuple[int, int]] = {}
 
     def bind(self, kv: KVManager) -> None:
-        if kv.layout != self.layout or kv.pool.num_pages != self.num_pages:
+        if kv.layout != self.layout or kv.num_pages != self.num_pages:
             raise ValueError("the KV manager's layout or pool size is not this executor's")
         self.kv = kv
         # What it kept per sequence was keyed by the other manager's ids (a
@@ -162,7 +161,7 @@ class SimulatedExecutor:
         counts: list[int],
         params: ParamsLookup,
         slots: Array,
-        before: Array,
+        before: StepColumns,
         masks: Array | None = None,
         sources: Array | None = None,
     ) -> StepOutput:
@@ -173,7 +172,7 @@ class SimulatedExecutor:
         if sum(counts) > self.limits.max_num_batched_tokens:
             raise ValueError(f"{sum(counts)} tokens exceed max_num_batched_tokens")
         self.steps += 1
-        computed = before[COMPUTED].tolist()
+        computed = before.computed.tolist()
         sampled = np.zeros(len(seqs), np.int64)
         wanted: list[SamplingParams | None] = []
         prompt: list[PromptScores | None] | None = None
@@ -219,7 +218,7 @@ class SimulatedExecutor:
         counts: list[int],
         params: ParamsLookup,
         slots: Array,
-        before: Array,
+        before: StepColumns,
         masks: Array | None = None,
         sources: Array | None = None,
     ) -> Finished:

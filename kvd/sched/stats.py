@@ -1,49 +1,43 @@
-"""What the scheduler reports: per tenant and for the whole pool."""
+"""What the scheduler reports: one snapshot per call, per tenant and for the
+whole pool. The pool's own figures are the KV manager's snapshot, held whole
+(``SchedulerStats.kv``), not copied field by field."""
 
 from __future__ import annotations
 
 import msgspec
 
+from kvd.kv.records import KVStats
+
 
 class TenantStats(msgspec.Struct):
-    running: int = 0
-    waiting: int = 0
-    swapped: int = 0
-    pages_used: int = 0
-    pages_reserved: int = 0
-    pages_cap: int | None = None
-    surplus_pages: int = 0
+    running: int = 0  # requests computing now
+    waiting: int = 0  # requests queued, not yet admitted to the pool
+    swapped: int = 0  # requests preempted to host memory
+    pages_used: int = 0  # device pages charged to the tenant now
+    pages_reserved: int = 0  # its reservation
+    pages_cap: int | None = None  # its burst cap (None: none)
+    surplus_pages: int = 0  # charged pages above its guarantee: reclaimable
     host_swap_pages: int = 0  # host pages its swapped-out sequences hold
     host_cached_pages: int = 0  # host-cache pages its cached blocks hold
-    service: float = 0.0
-    preempted_recompute: int = 0
-    preempted_swap: int = 0
-    rate_limited: int = 0
-    finished: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
+    service: float = 0.0  # weighted tokens served (the fair-share charge), ever
+    preempted_recompute: int = 0  # preemptions that dropped its pages, ever
+    preempted_swap: int = 0  # preemptions that swapped its pages out, ever
+    rate_limited: int = 0  # requests refused by its rate limits, ever
+    finished: int = 0  # requests finished, however they ended, ever
+    prompt_tokens: int = 0  # prompt tokens of its requests, ever
+    completion_tokens: int = 0  # tokens generated for it, ever
+    cached_tokens: int = 0  # of prompt_tokens, served from the prefix cache
 
 
 class SchedulerStats(msgspec.Struct):
-    steps: int
-    running: int
-    waiting: int
-    swapped: int
-    free_pages: int
-    cached_pages: int
-    used_pages: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    preempted_recompute: int
-    preempted_swap: int
+    steps: int  # engine steps run
+    running: int  # requests computing now
+    waiting: int  # requests queued
+    swapped: int  # requests preempted to host memory
+    kv: KVStats  # the pool and the host cache
+    preempted_recompute: int  # the tenants' preempted_recompute, summed
+    preempted_swap: int  # the tenants' preempted_swap, summed
     tenants: dict[str, TenantStats]
-    prefill_tokens_per_s: float | None
-    copy_bytes_per_s: float | None
-    crossover_tokens: int | None
-    host_pages: int = 0  # the host budget: swap and the host cache (0: no host cache)
-    host_cached_pages: int = 0
-    host_swap_pages: int = 0
-    host_hit_tokens: int = 0  # of prefix_hit_tokens, copied back from the host cache
-    host_offloads: int = 0
-    host_evictions: int = 0
+    prefill_tokens_per_s: float | None  # measured prefill rate (None: not yet)
+    copy_bytes_per_s: float | None  # measured host copy rate (None: not yet)
+    crossover_tokens: int | None  # prompt length above which swapping beats recompute

@@ -7,23 +7,22 @@ one host budget: swap comes first, and taking pages drops cached host blocks
 
 from __future__ import annotations
 
-from kvd.kv.hostcache import HostCache
+from kvd.kv.manager import KVManager
 
 
 class SwapSpace:
     """Host pages held by swapped-out sequences, per tenant."""
 
-    def __init__(self, total: int | None = None, host_cache: HostCache | None = None) -> None:
+    def __init__(self, total: int | None = None, kv: KVManager | None = None) -> None:
         self.own_total = total  # None: unbounded (used only without a host cache)
-        self.host_cache = host_cache
+        self.kv = kv  # whose host cache, when it has one, shares its budget
         self.used: dict[str, int] = {}
         self.held = 0
 
     @property
     def total(self) -> int | None:
-        if self.host_cache is not None and self.host_cache.enabled:
-            return self.host_cache.total
-        return self.own_total
+        shared = self.kv.host_cache_pages() if self.kv is not None else 0
+        return shared if shared else self.own_total
 
     def fits(self, tenant: str, pages: int, tenant_limit: int | None) -> bool:
         total = self.total
@@ -32,8 +31,8 @@ class SwapSpace:
         return tenant_limit is None or self.used.get(tenant, 0) + pages <= tenant_limit
 
     def take(self, tenant: str, pages: int) -> None:
-        if self.host_cache is not None and self.host_cache.enabled:
-            self.host_cache.make_room(pages)  # cached blocks give way to live sequences
+        if self.kv is not None and self.kv.host_cache_pages():
+            self.kv.make_host_room(pages)  # cached blocks give way to live sequences
         self.used[tenant] = self.used.get(tenant, 0) + pages
         self.held += pages
         self._publish()
@@ -50,5 +49,5 @@ class SwapSpace:
         self._publish()
 
     def _publish(self) -> None:
-        if self.host_cache is not None:
-            self.host_cache.swap_held = self.held
+        if self.kv is not None:
+            self.kv.set_host_swap_held(self.held)

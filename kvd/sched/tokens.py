@@ -10,8 +10,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvd.kv.columns import COMPUTED, LENGTH
-from kvd.kv.manager import KVManager
+from kvd.kv.manager import KVManager, StepColumns
 from kvd.kv.sequence import Sequence
 from kvd.sched.book import RequestBook
 from kvd.sched.executor import PromptScores, StepOutput
@@ -45,17 +44,17 @@ class Outcome:
         self.by_stop = by_stop
 
 
-def sampling_rows(counts: list[int], before: Array) -> Array:
+def sampling_rows(counts: list[int], before: StepColumns) -> Array:
     """Which rows of a step sample a token they keep (bool per row): those
     whose step reaches their known length, not a prefill chunk short of its
     prompt's end. ``before``: their columns before the step."""
-    return before[COMPUTED] + np.asarray(counts) == before[LENGTH]  # type: ignore[no-any-return]
+    return before.computed + np.asarray(counts) == before.length  # type: ignore[no-any-return]
 
 
 def outcome(
     counts: list[int],
     slots: Array,
-    before: Array,
+    before: StepColumns,
     tokens: Array,
     logprobs: Array,
     is_stop: Array,
@@ -70,7 +69,7 @@ def outcome(
     This is where a generation's end is decided for a token: the model's end
     tokens, a request's stop ids and its length here, its stop strings and
     its grammar's end by the recorder that follows."""
-    length = before[LENGTH]
+    length = before.length
     sampled = sampling_rows(counts, before)
     keep = None
     if not sampled.all():
@@ -88,9 +87,10 @@ class TokenRecorder:
     """A step's sampled tokens become events, finished requests end, and
     fair share is charged, as array operations over the batch.
 
-    Changes: the sequences' tokens (through the KV manager), requests ended
-    (``book.finish``), the fault log, the fair-share counters and the
-    tenants' completion tokens; owns the prompt scores held until a first
+    Changes: the sequences' tokens (through the KV manager); through the
+    book's methods, requests ended (``finish``), the fault log
+    (``log_fault``), the fair-share counters and the tenants' completion
+    tokens (``served``); owns the prompt scores held until a first
     token (``scoring``)."""
 
     def __init__(
@@ -108,7 +108,7 @@ class TokenRecorder:
         work: StepWork,
         seqs: list[Sequence],
         slots: np.ndarray[Any, Any],
-        before: np.ndarray[Any, Any],
+        before: StepColumns,
         output: StepOutput,
         events: list[StepEvent],
         constrained: bool = False,
@@ -176,7 +176,7 @@ class TokenRecorder:
         first = len(events) - len(requests)
         for i, why in broken.items():  # an error, not a token: the request fails
             request = requests[i]
-            self.book.fault_log.append((request.request_id, request.tenant, why))
+            self.book.log_fault(request, why)
             events[first + i] = StepEvent(
                 request.reply_id, None, 0.0, True, "error", why, choice=request.choice
             )
@@ -185,8 +185,7 @@ class TokenRecorder:
         served = np.bincount(info.tenant[slots])
         for index in np.flatnonzero(served).tolist():
             tenant, count = self.book.tenant_names[index], int(served[index])
-            self.book.counters.charge(tenant, output_tokens=count)  # fair share, once per tenant
-            self.book.tenant_stats[tenant].completion_tokens += count
+            self.book.served(tenant, count)
 
     @staticmethod
     def _follow_constraints(

@@ -154,8 +154,8 @@ class Admin:
         stats = scheduler.stats()
         runtime.snapshot = stats  # fresh figures for /metrics too
         rates = scheduler.rates
-        query, hit = kv.prefix_query_tokens, kv.prefix_hit_tokens
-        kv_stats = kv.stats()
+        kv_stats = stats.kv
+        query, hit = kv_stats.prefix_query_tokens, kv_stats.prefix_hit_tokens
         return {
             "version": __version__,
             "pid": os.getpid(),
@@ -171,18 +171,18 @@ class Admin:
                 "max_model_len": self.config.model.max_model_len,
             },
             "pool": {
-                "pages": kv.pool.capacity,
-                "page_bytes": kv.layout.page_bytes,
-                "used": stats.used_pages,
-                "cached": stats.cached_pages,
-                "free": stats.free_pages,
-                "reserved": kv.ledger.total_reserved(),
+                "pages": kv_stats.capacity_pages,
+                "page_bytes": kv_stats.page_bytes,
+                "used": kv_stats.referenced_pages,
+                "cached": kv_stats.cached_pages,
+                "free": kv_stats.free_pages,
+                "reserved": kv_stats.reserved_pages,
                 # What a router following the KV events indexes (global: full attention).
                 "findable_blocks": kv.findable_blocks(),
             },
             "state": {"file": str(self.store.path), "restored": self.restored},
             "engine_failures": self.failures,
-            "budget_mode": str(kv.ledger.mode),
+            "budget_mode": str(kv.mode),
             "sharing_policy": str(kv.policy),
             "draining": self.context.status.status is Status.DRAINING,
             "in_flight": runtime.in_flight,
@@ -221,7 +221,7 @@ class Admin:
         scheduler = self.context.runtime.scheduler  # type: ignore[union-attr]
         out = []
         for entry in self.live.tenants:
-            config = scheduler.tenants[entry.name]
+            config = scheduler.book.tenants[entry.name]
             tenant = stats.tenants[entry.name]
             out.append(
                 {
@@ -242,7 +242,7 @@ class Admin:
                     "host_swap_pages": tenant.host_swap_pages,
                     "host_quota": entry.host_quota,
                     "host_quota_pages": config.host_quota_pages,
-                    "host_cached_pages": scheduler.kv.host.used.get(entry.name, 0),
+                    "host_cached_pages": tenant.host_cached_pages,
                     "requests_per_minute": entry.requests_per_minute,
                     "tokens_per_minute": entry.tokens_per_minute,
                     "max_queue": entry.max_queue,
@@ -365,7 +365,7 @@ class Admin:
 
     def _tenant_config(self, entry: TenantEntry) -> Any:
         kv = self.runtime.scheduler.kv
-        return tenant_config(self.config, entry, kv.layout.page_bytes, kv.pool.capacity)
+        return tenant_config(self.config, entry, kv.layout.page_bytes, kv.stats().capacity_pages)
 
     async def tenant_add(self, entry: TenantEntry) -> dict[str, Any]:
         if any(t.name == entry.name for t in self.live.tenants):
@@ -453,7 +453,7 @@ class Admin:
     async def set_mode(self, mode: BudgetMode) -> dict[str, Any]:
         def apply() -> Callable[[], None]:
             kv = self.runtime.scheduler.kv
-            old = kv.ledger.mode
+            old = kv.mode
             kv.set_mode(mode)
             self.live.mode = mode
 

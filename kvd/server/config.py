@@ -106,7 +106,7 @@ class SharingSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class KVEventsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """KV-cache events for an inference gateway, in vLLM's format and
-    transport (docs/scale-out.md): a ZMQ PUB socket, a ROUTER for replays."""
+    transport (docs/howto/scale-out.md): a ZMQ PUB socket, a ROUTER for replays."""
 
     enable: bool = False
     # Bound (tcp://*:5557, ipc://, a wildcard host) or connected to (a

@@ -463,14 +463,14 @@ class Daemon:
         self.status.ready()
         tenants = {
             t.name: {"reservation_pages": t.reservation_pages, "cap_pages": t.cap_pages}
-            for t in loaded.scheduler.tenants.values()
+            for t in loaded.scheduler.book.tenants.values()
         }
         log.info(
             "lifecycle.ready",
             pool_pages=loaded.pool_pages,
             page_bytes=loaded.page_bytes,
             tenants=tenants,
-            prefixes=[name for name, _ in loaded.scheduler.kv.public.items()],
+            prefixes=loaded.scheduler.kv.public_prefixes(),
         )
         systemd.notify("READY=1", "STATUS=serving")
 
@@ -555,8 +555,9 @@ class Daemon:
             log.warning("lifecycle.drain_timeout", aborted=aborted)
         await runtime.settle()
         kv = runtime.scheduler.kv
-        self.clean = kv.pool.num_referenced() == 0
-        log.info("lifecycle.drained", used_pages=kv.pool.num_referenced(), clean=self.clean)
+        referenced = kv.referenced_pages()
+        self.clean = referenced == 0
+        log.info("lifecycle.drained", used_pages=referenced, clean=self.clean)
 
     def _arm_hard_deadline(self) -> None:
         deadline = self.config.server.drain_timeout + self.config.server.hard_deadline
@@ -591,7 +592,8 @@ class Daemon:
         if self.runtime is not None:
             kv = self.runtime.scheduler.kv
             kv.check_invariants()
-            fields = {"used_pages": kv.pool.num_referenced(), "free_pages": len(kv.pool.free)}
+            pool = kv.stats()
+            fields = {"used_pages": pool.referenced_pages, "free_pages": pool.free_pages}
         log.info("lifecycle.stopped", **fields)
 
 

@@ -69,12 +69,12 @@ class SchedulerCollector(RuntimeCollector):
 
     def families(self, runtime: Runtime, stats: SchedulerStats, kv: KVManager) -> Iterator[Any]:
         pool = GaugeMetricFamily("kvd_pool_pages", "KV pool pages by state", labels=["state"])
-        pool.add_metric(["free"], stats.free_pages)
-        pool.add_metric(["cached"], stats.cached_pages)
-        pool.add_metric(["used"], stats.used_pages)
+        pool.add_metric(["free"], stats.kv.free_pages)
+        pool.add_metric(["cached"], stats.kv.cached_pages)
+        pool.add_metric(["used"], stats.kv.referenced_pages)
         yield pool
         yield GaugeMetricFamily(
-            "kvd_pool_capacity_pages", "Allocatable KV pool pages", value=kv.pool.capacity
+            "kvd_pool_capacity_pages", "Allocatable KV pool pages", value=stats.kv.capacity_pages
         )
         yield GaugeMetricFamily("kvd_page_bytes", "Bytes per KV page", value=kv.layout.page_bytes)
         for name, value, text in (
@@ -102,41 +102,43 @@ class SchedulerCollector(RuntimeCollector):
         yield CounterMetricFamily(
             "kvd_prefix_query_tokens",
             "Prompt tokens looked up in the prefix cache",
-            value=stats.prefix_query_tokens,
+            value=stats.kv.prefix_query_tokens,
         )
         yield CounterMetricFamily(
             "kvd_prefix_hit_tokens",
             "Prompt tokens found in the prefix cache",
-            value=stats.prefix_hit_tokens,
+            value=stats.kv.prefix_hit_tokens,
         )
         by_memory = CounterMetricFamily(
             "kvd_prefix_hit_tokens_by_memory",
             "Prompt tokens found in the prefix cache, by the memory that held them",
             labels=["memory"],
         )
-        by_memory.add_metric(["device"], stats.prefix_hit_tokens - stats.host_hit_tokens)
-        by_memory.add_metric(["host"], stats.host_hit_tokens)
+        by_memory.add_metric(["device"], stats.kv.prefix_hit_tokens - stats.kv.host_hit_tokens)
+        by_memory.add_metric(["host"], stats.kv.host_hit_tokens)
         yield by_memory
         host = GaugeMetricFamily(
             "kvd_host_pages",
             "Host budget pages (host cache and swap) by use",
             labels=["use"],
         )
-        host.add_metric(["cached"], stats.host_cached_pages)
-        host.add_metric(["swap"], stats.host_swap_pages)
+        host.add_metric(["cached"], stats.kv.host_cached_pages)
+        host.add_metric(["swap"], stats.kv.host_swap_pages)
         yield host
         yield GaugeMetricFamily(
             "kvd_host_capacity_pages",
             "Host budget in pages (0: no host cache)",
-            value=stats.host_pages,
+            value=stats.kv.host_pages,
         )
         yield CounterMetricFamily(
-            "kvd_host_offloads", "Cached blocks copied to the host cache", value=stats.host_offloads
+            "kvd_host_offloads",
+            "Cached blocks copied to the host cache",
+            value=stats.kv.host_offloads,
         )
         yield CounterMetricFamily(
             "kvd_host_evictions",
             "Blocks dropped from the host cache",
-            value=stats.host_evictions,
+            value=stats.kv.host_evictions,
         )
         if stats.prefill_tokens_per_s is not None:
             yield GaugeMetricFamily(
@@ -270,7 +272,7 @@ class ModelServerCollector(RuntimeCollector):
             "Number of requests waiting to be processed (queued, or preempted and swapped out).",
             stats.waiting + stats.swapped,
         )
-        usage = stats.used_pages / max(1, kv.pool.capacity)
+        usage = stats.kv.referenced_pages / max(1, stats.kv.capacity_pages)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
         yield gauge(
             "vllm:gpu_cache_usage_perc",
@@ -291,7 +293,7 @@ class ModelServerCollector(RuntimeCollector):
         info.add_metric(
             [
                 str(layout.block_size),
-                str(kv.pool.capacity // layout.num_groups),
+                str(stats.kv.capacity_pages // layout.num_groups),
                 layout.geometry.dtype,
                 "True",
                 "0",
@@ -302,12 +304,12 @@ class ModelServerCollector(RuntimeCollector):
         yield counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-            stats.prefix_query_tokens,
+            stats.kv.prefix_query_tokens,
         )
         yield counter(
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
-            stats.prefix_hit_tokens,
+            stats.kv.prefix_hit_tokens,
         )
         yield counter(
             "vllm:num_preemptions",

@@ -409,11 +409,11 @@ class Runtime:
 
     def _log_preemptions(self) -> None:
         scheduler = self.scheduler
-        while scheduler.fault_log:
-            request_id, tenant, cause = scheduler.fault_log.popleft()
+        while scheduler.book.fault_log:
+            request_id, tenant, cause = scheduler.book.fault_log.popleft()
             log.warning("request.failed", request_id=request_id, tenant=tenant, error=cause)
-        while scheduler.copy_failures:
-            kind, cause = scheduler.copy_failures.popleft()
+        while scheduler.book.copy_failures:
+            kind, cause = scheduler.book.copy_failures.popleft()
             self.copy_failures[kind] = self.copy_failures.get(kind, 0) + 1
             log.warning(
                 "kv.copy_failed",
@@ -421,7 +421,7 @@ class Runtime:
                 error=cause,
                 recovery="recomputed later" if kind == "swap_out" else "blocks dropped",
             )
-        starts = self.scheduler.start_log
+        starts = self.scheduler.book.start_log
         while starts:
             request_id, tenant, queue_steps, cached = starts.popleft()
             log.info(
@@ -431,7 +431,7 @@ class Runtime:
                 queue_steps=queue_steps,
                 cached_tokens=cached,
             )
-        notices = self.scheduler.preemption_log
+        notices = self.scheduler.book.preemption_log
         while notices:
             request_id, tenant, kind = notices.popleft()
             log.info("kv.preempt", request_id=request_id, tenant=tenant, kind=kind)
@@ -453,9 +453,9 @@ class Runtime:
                 running=stats.running,
                 waiting=stats.waiting,
                 swapped=stats.swapped,
-                used_pages=stats.used_pages,
-                free_pages=stats.free_pages,
-                cached_pages=stats.cached_pages,
+                used_pages=stats.kv.referenced_pages,
+                free_pages=stats.kv.free_pages,
+                cached_pages=stats.kv.cached_pages,
             )
             self._totals = StepTotals(since=now)
 

@@ -64,7 +64,7 @@ class Subscriber:
     """A gateway's view of one replica, built only from its KV events as
     they arrive on the wire (each batch msgpack-encoded in ``encoding`` and
     decoded as a foreign subscriber decodes it). It checks what the routers
-    that read these events require (their decoders, see docs/scale-out.md):
+    that read these events require (their decoders, see docs/howto/scale-out.md):
     a batch of exactly three, an array event's fields in vLLM's order, hashes
     that travel as 64-bit integers, no null inside an ``extra_keys`` entry,
     and an event's namespace read once from its first block (Dynamo's rule),

@@ -32,8 +32,8 @@ def run(kv: KVManager, seq_id: int, tenant: str, tokens: list[int], **kw: object
 
 
 def view(kv: KVManager, medium: str = GPU) -> set[tuple[int, int]]:
-    index = kv.pool.index if medium == GPU else kv.host.blocks
-    events = kv.pool.events
+    index = kv.registry.pool.index if medium == GPU else kv.registry.host.blocks
+    events = kv.registry.pool.events
     assert events is not None
     return {(g, events.published((g, h))) for g, h in index}
 
@@ -108,11 +108,11 @@ def test_blocks_moving_between_the_tiers_are_told_in_order(layout: PageLayout) -
     first = [*range(100, 112), 7]  # 3 full blocks
     hashes = run(kv, 1, "a", first).hashes
     i = 1
-    while any((0, h) in kv.pool.index for h in hashes):  # pushed out to the host cache
+    while any((0, h) in kv.registry.pool.index for h in hashes):  # pushed out to the host cache
         i += 1
         run(kv, i, "b", [*range(200 * i, 200 * i + 12), 7])
         sub.apply(events.take())
-        kv.host.take_copies()
+        kv.registry.host.take_copies()
     assert sub.held(GPU) == view(kv) and sub.held("CPU") == view(kv, "CPU")
     assert sub.held("CPU"), "nothing reached the host cache"
     again = kv.add_sequence(9, "a", first)
@@ -130,7 +130,7 @@ def test_a_resync_tells_everything_held_from_scratch(layout: PageLayout) -> None
     events = kv.enable_events()
     for i in range(1, 8):
         run(kv, i, "a" if i % 2 else "b", [*range(50 * i, 50 * i + 12), 7])
-        kv.host.take_copies()
+        kv.registry.host.take_copies()
     events.take()  # lost: this subscriber joins late
     late = Subscriber()
     late.blocks["GPU"].add((0, 1))  # stale belief, cleared by the resync
@@ -196,7 +196,7 @@ def test_blocks_past_one_no_lookup_can_reach_leave_the_cache(layout: PageLayout)
     holds these pages)."""
     kv = make_kv(layout, pages=24)
     kv.enable_host_cache(8)
-    pool, g = kv.pool, kv.registry.global_groups[0]
+    pool, g = kv.registry.pool, kv.registry.global_groups[0]
     parent, child, grandchild = ((g, bytes([n]) * 32) for n in (1, 2, 3))
     pages = pool.take("a", 3)
     assert pool.register(pages[0], parent, None)
@@ -206,8 +206,8 @@ def test_blocks_past_one_no_lookup_can_reach_leave_the_cache(layout: PageLayout)
     for page in pages:  # parent first: the head of the LRU
         pool.drop(page, "a")
     pool.take("b", pool.num_idle() - 2)  # evicts the parent (to the host cache) and the rest
-    assert parent in kv.host and {child, grandchild} <= pool.index.keys()
-    kv.host.drop_where()  # the host lets it go: nothing reaches the other two now
+    assert parent in kv.registry.host and {child, grandchild} <= pool.index.keys()
+    kv.registry.host.drop_where()  # the host lets it go: nothing reaches the other two now
     assert not {child, grandchild} & pool.index.keys() and pool.num_idle() == 2
     pool.check_invariants()
 

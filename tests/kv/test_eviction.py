@@ -43,7 +43,7 @@ def plan_for(kv: KVManager, seq: Sequence, tokens: int) -> EvictionPlan | None:
 
 def carry_out(kv: KVManager, plan: EvictionPlan) -> None:
     for victim in plan.victims:
-        kv.release(kv.sequences[victim.seq_id])
+        kv.release(kv.registry.sequences[victim.seq_id])
     kv.check_invariants()
 
 
@@ -66,7 +66,7 @@ def test_guarantee_reclaims_from_the_tenant_with_most_surplus(flat: PageLayout) 
     running(kv, 2, "b", 3)  # b: surplus 3
     running(kv, 3, "c", 6)
     running(kv, 4, "c", 15)  # c: surplus 21; the pool is full
-    assert kv.pool.num_idle() == 0
+    assert kv.registry.pool.num_idle() == 0
     req = kv.add_sequence(9, "a", list(range(24)))  # 6 pages, within a's 12
     plan = plan_for(kv, req, 24)
     assert plan is not None and plan.reason == "reclaim-surplus"
@@ -122,7 +122,7 @@ def test_tenants_at_their_reservation_are_never_reclaimed(flat: PageLayout) -> N
     burst = kv.add_sequence(9, "a", list(range(4)))
     assert plan_for(kv, burst, 4) is None
     # b below its reservation reclaims from c only, never from a.
-    kv.release(kv.sequences[1])
+    kv.release(kv.registry.sequences[1])
     running(kv, 4, "c", 6)  # c takes the idle pages: full again
     req = kv.add_sequence(10, "b", list(range(24)))
     plan = plan_for(kv, req, 24)
@@ -243,7 +243,7 @@ def test_shared_pages_do_not_count_as_freed(flat: PageLayout) -> None:
     assert plan is not None
     assert [(v.seq_id, v.pages_freed) for v in plan.victims] == [(3, 24)]
     # Without seq 3, freeing seq 2 alone frees only its own last page.
-    kv.release(kv.sequences[3])
+    kv.release(kv.registry.sequences[3])
     running(kv, 4, "c", 12)  # 18 used, 12 idle
     running(kv, 5, "c", 12)  # full again
     req2 = kv.add_sequence(10, "a", list(range(200, 248)))
@@ -278,7 +278,7 @@ def test_reclaiming_prefers_a_victim_that_frees_enough_alone(flat: PageLayout) -
     assert plan is not None and [v.seq_id for v in plan.victims] == [2]
     carry_out(kv, plan)
     assert kv.can_allocate(req, 48)
-    assert kv.ledger.accounts["c"].used >= kv.ledger.accounts["c"].reservation
+    assert kv.registry.ledger.accounts["c"].used >= kv.registry.ledger.accounts["c"].reservation
 
 
 def test_pages_the_requesters_hit_needs_are_not_counted_as_freed(flat: PageLayout) -> None:

@@ -34,9 +34,9 @@ def prefill(kv: KVManager, seq) -> int:  # type: ignore[no-untyped-def]
 
 def evict_cached_page(kv: KVManager, page: int) -> None:
     """Make the pool forget one idle cached page (as LRU pressure would)."""
-    del kv.pool.lru[page]
-    kv.pool._forget(page)
-    kv.pool.free.append(page)
+    del kv.registry.pool.lru[page]
+    kv.registry.pool._forget(page)
+    kv.registry.pool.free.append(page)
 
 
 def test_layout_of_the_tiny_model(layout: PageLayout) -> None:
@@ -48,14 +48,17 @@ def test_pages_are_allocated_per_block_on_demand(layout: PageLayout) -> None:
     kv = make_kv(layout)
     seq = kv.add_sequence(1, "a", list(range(10)))
     compute(kv, seq, 1)
-    assert seq.num_blocks == 1 and kv.ledger.accounts["a"].used == 3
+    assert seq.num_blocks == 1 and kv.registry.ledger.accounts["a"].used == 3
     compute(kv, seq, 3)
     assert seq.num_blocks == 1  # block 0 is full, nothing new
     compute(kv, seq, 1)
-    assert seq.num_blocks == 2 and kv.ledger.accounts["a"].used == 6
+    assert seq.num_blocks == 2 and kv.registry.ledger.accounts["a"].used == 6
     kv.check_invariants()
     kv.finish(seq)
-    assert kv.ledger.accounts["a"].used == 0 and kv.pool.num_idle() == kv.pool.capacity
+    assert (
+        kv.registry.ledger.accounts["a"].used == 0
+        and kv.registry.pool.num_idle() == kv.registry.pool.capacity
+    )
     kv.check_invariants()
 
 
@@ -65,7 +68,7 @@ def test_sliding_groups_release_blocks_outside_the_window(layout: PageLayout) ->
     for computed in range(1, 41):
         compute(kv, seq, 1)
         first = max(0, (computed - 8 + 1) // BLOCK)  # the first block a next query sees
-        for g in kv.sliding_groups:
+        for g in kv.registry.sliding_groups:
             table = seq.tables[g]
             assert all(p == NULL_PAGE for p in table[:first])
             assert all(p != NULL_PAGE for p in table[first:])
@@ -73,7 +76,7 @@ def test_sliding_groups_release_blocks_outside_the_window(layout: PageLayout) ->
         assert all(p != NULL_PAGE for p in seq.tables[0])  # global keeps everything
         kv.check_invariants()
     # A 40-token sequence holds 10 global pages and at most 3 per sliding group.
-    assert kv.ledger.accounts["a"].used == 10 + 2 * 2
+    assert kv.registry.ledger.accounts["a"].used == 10 + 2 * 2
 
 
 def test_chunked_prefill_holds_window_plus_chunk_then_slides(layout: PageLayout) -> None:
@@ -117,7 +120,7 @@ def test_sliding_hit_needs_the_in_window_blocks(layout: PageLayout) -> None:
     prefill(kv, a)
     kv.finish(a)
     # Lose block 2 of one sliding group: a 12-token hit would need blocks 1 and 2.
-    evict_cached_page(kv, kv.pool.index[(1, a.hashes[2])])
+    evict_cached_page(kv, kv.registry.pool.index[(1, a.hashes[2])])
     b = kv.add_sequence(2, "a", tokens + [50, 51, 52])
     hit = kv.lookup(b)
     assert hit.num_tokens == 8 and hit.sliding_start == 0
@@ -126,8 +129,8 @@ def test_sliding_hit_needs_the_in_window_blocks(layout: PageLayout) -> None:
     a2 = kv2.add_sequence(1, "a", tokens)
     prefill(kv2, a2)
     kv2.finish(a2)
-    for g in kv2.sliding_groups:
-        evict_cached_page(kv2, kv2.pool.index[(g, a2.hashes[0])])
+    for g in kv2.registry.sliding_groups:
+        evict_cached_page(kv2, kv2.registry.pool.index[(g, a2.hashes[0])])
     assert kv2.lookup(kv2.add_sequence(2, "a", tokens + [50, 51, 52])).num_tokens == 12
 
 
@@ -178,12 +181,12 @@ def test_public_prefix_is_the_only_cross_tenant_hit(layout: PageLayout) -> None:
     prefill(kv, a)
     # Public blocks are charged to the shared account, the rest to the tenant;
     # at 14 tokens the sliding groups already let public block 0 go (idle, cached).
-    assert kv.ledger.accounts[SHARED_ACCOUNT].used == 3 + 1
+    assert kv.registry.ledger.accounts[SHARED_ACCOUNT].used == 3 + 1
     b = kv.add_sequence(2, "b", PREFIX + [9, 1, 2, 3, 4, 5])
     hit = kv.lookup(b)
     assert hit.num_tokens == 8  # the public blocks, not a's own third block
     compute(kv, b, len(b.tokens) - 8, hit)
-    assert kv.public.hits["system"] == 8
+    assert kv.registry.public.hits["system"] == 8
     kv.check_invariants()
     # Salted requests still share the public prefix: its text is public.
     c = kv.add_sequence(3, "b", PREFIX + [9, 6], cache_salt="zz")
@@ -207,8 +210,8 @@ def test_public_prefixes_match_by_the_full_blocks_that_agree(layout: PageLayout)
     assert kv.lookup(b).num_tokens == 2 * BLOCK  # a's public blocks
     c = kv.add_sequence(3, "b", PREFIX[:BLOCK] + [5] * BLOCK)  # differs in block 1
     assert kv.lookup(c).num_tokens == BLOCK
-    assert kv.public.matches(PREFIX[:BLOCK] + [5] * BLOCK, BLOCK) == [("system", 1, 1)]
-    assert kv.public.matches([5] * 2 * BLOCK, BLOCK) == []
+    assert kv.registry.public.matches(PREFIX[:BLOCK] + [5] * BLOCK, BLOCK) == [("system", 1, 1)]
+    assert kv.registry.public.matches([5] * 2 * BLOCK, BLOCK) == []
     kv.check_invariants()
 
 
@@ -218,13 +221,13 @@ def test_removing_a_public_prefix_unpublishes_its_pages(layout: PageLayout) -> N
     kv.add_public_prefix("short", PREFIX[:4])
     a = kv.add_sequence(1, "a", PREFIX + [1])
     prefill(kv, a)
-    assert kv.ledger.accounts[SHARED_ACCOUNT].used == 6
+    assert kv.registry.ledger.accounts[SHARED_ACCOUNT].used == 6
     kv.remove_public_prefix("system")  # block 0 is still covered by "short"
-    assert kv.ledger.accounts[SHARED_ACCOUNT].used == 3
-    assert kv.ledger.accounts["a"].used == 6
+    assert kv.registry.ledger.accounts[SHARED_ACCOUNT].used == 3
+    assert kv.registry.ledger.accounts["a"].used == 6
     kv.check_invariants()
     kv.remove_public_prefix("short")
-    assert kv.ledger.accounts[SHARED_ACCOUNT].used == 0
+    assert kv.registry.ledger.accounts[SHARED_ACCOUNT].used == 0
     assert kv.lookup(kv.add_sequence(2, "b", PREFIX + [1])).num_tokens == 0
     kv.finish(a)
     kv.check_invariants()
@@ -236,11 +239,11 @@ def test_public_prefixes_count_against_reservations(layout: PageLayout) -> None:
     kv = make_kv(layout, pages=20, tenants={"a": TenantBudget(reservation=16)})
     with pytest.raises(BudgetError, match="pool has 19 pages"):
         kv.add_public_prefix("system", PREFIX)  # 2 blocks x 3 groups = 6 pages > 3 left
-    assert len(kv.public) == 0 and kv.ledger.public_bound == 0
+    assert len(kv.registry.public) == 0 and kv.registry.ledger.public_bound == 0
     kv.add_public_prefix("tiny", PREFIX[:4])
     with pytest.raises(ValueError, match="already exists"):
         kv.add_public_prefix("tiny", PREFIX[:4])
-    assert kv.ledger.public_bound == 3
+    assert kv.registry.ledger.public_bound == 3
 
 
 def test_shared_pages_move_to_the_next_holder(layout: PageLayout) -> None:
@@ -249,9 +252,9 @@ def test_shared_pages_move_to_the_next_holder(layout: PageLayout) -> None:
     prefill(kv, a)
     b = kv.add_sequence(2, "b", list(range(9)))
     prefill(kv, b)
-    assert kv.ledger.accounts["a"].used == 9 and kv.ledger.accounts["b"].used == 3
+    assert kv.registry.ledger.accounts["a"].used == 9 and kv.registry.ledger.accounts["b"].used == 3
     kv.finish(a)
-    assert kv.ledger.accounts["b"].used == 9
+    assert kv.registry.ledger.accounts["b"].used == 9
     kv.check_invariants()
 
 
@@ -265,7 +268,7 @@ def test_release_keeps_tokens_and_a_re_prefill_hits_itself(layout: PageLayout) -
     assert (
         seq.residency is Residency.WAITING
         and seq.num_computed == 0
-        and kv.ledger.accounts["a"].used == 0
+        and kv.registry.ledger.accounts["a"].used == 0
     )
     assert prefill(kv, seq) == 8
     kv.check_invariants()
@@ -278,9 +281,9 @@ def test_swap_out_and_in_remaps_pages(layout: PageLayout) -> None:
     held = {(g, b): p for g, t in enumerate(seq.tables) for b, p in enumerate(t) if p}
     out = kv.begin_swap_out(seq)
     assert {(c.group, c.block): c.page for c in out} == held
-    assert kv.ledger.accounts["a"].used == len(held)  # held until the copy is done
+    assert kv.registry.ledger.accounts["a"].used == len(held)  # held until the copy is done
     kv.finish_swap_out(seq)
-    assert seq.residency is Residency.SWAPPED and kv.ledger.accounts["a"].used == 0
+    assert seq.residency is Residency.SWAPPED and kv.registry.ledger.accounts["a"].used == 0
     other = kv.add_sequence(2, "b", list(range(100, 130)))
     prefill(kv, other)  # reuses the freed pages
     copies = kv.swap_in(seq)
@@ -313,7 +316,7 @@ def test_failed_allocation_changes_nothing(layout: PageLayout) -> None:
     assert not kv.can_allocate(seq, 12)
     with pytest.raises(KVError, match="cannot allocate 9 pages"):
         kv.allocate(seq, 12)
-    assert seq.residency is Residency.WAITING and kv.pool.num_idle() == 7
+    assert seq.residency is Residency.WAITING and kv.registry.pool.num_idle() == 7
     kv.check_invariants()
 
 
@@ -396,7 +399,7 @@ def test_a_finished_sequence_object_is_refused(layout: PageLayout) -> None:
             call(old)
     with pytest.raises(KVError, match="not live"):
         kv.allocate(old, 1)
-    assert kv.sequences[1] is new
+    assert kv.registry.sequences[1] is new
     kv.check_invariants()
 
 
@@ -410,8 +413,8 @@ def test_a_prefix_replaced_under_the_same_name_does_not_publish_old_blocks() -> 
     kv.remove_public_prefix("sys")
     kv.add_public_prefix("sys", [9, 9, 9, 9])  # same name, other text: one block
     compute(kv, seq, 15)  # blocks 1..3 of the old prefix must not become public
-    assert kv.ledger.accounts[SHARED_ACCOUNT].used == 0
-    assert sum(p is not None for p in kv.pool.public) <= kv.ledger.public_bound
+    assert kv.registry.ledger.accounts[SHARED_ACCOUNT].used == 0
+    assert sum(p is not None for p in kv.registry.pool.public) <= kv.registry.ledger.public_bound
     kv.check_invariants()
 
 
@@ -457,7 +460,7 @@ def test_extend_decodes_takes_slots_in_held_blocks_and_grows_only_all_or_none(
 
     tight = make_kv(layout, pages=1 + 3 * layout.num_groups)  # the null page and 3 blocks
     boundary = [decoding(tight, 2, 4), decoding(tight, 3, 4)]
-    assert tight.pool.num_idle() < 2 * layout.num_groups
+    assert tight.registry.pool.num_idle() < 2 * layout.num_groups
     assert tight.extend_decodes(boundary) == [0, 1]  # not enough for both: neither grows
     assert [s.num_blocks for s in boundary] == [1, 1]
     tight.check_invariants()
@@ -489,7 +492,7 @@ def test_decode_blocks_enter_the_cache_when_the_sequence_lets_go(layout: PageLay
     seq = decoding(kv, 1, 4)  # the prompt fills block 0: cached at once
     for token in range(8):  # decode 8 tokens: blocks 1 and 2 fill
         assert kv.extend_decodes([seq]) == []
-        kv.commit_decodes([seq], kv.slots_of([seq]), kv.columns.matrix[:, kv.slots_of([seq])])
+        kv.commit_decodes([seq], kv.slots_of([seq]), kv.step_columns(kv.slots_of([seq])))
         kv.append_decoded([seq], [20 + token])
     follow_up = kv.add_sequence(2, "a", seq.tokens[:12] + [99])
     assert kv.lookup(follow_up).num_tokens == 4  # only the prompt's block, so far

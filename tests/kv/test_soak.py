@@ -34,7 +34,7 @@ def _grow(kv: KVManager, seq: Sequence, tokens: int, seen: Counter[str]) -> None
     demand = kv.demand(seq, tokens, hit)
     if not kv.fits(seq.tenant, demand):
         plan = plan_eviction(kv, seq, demand, hit)
-        if demand.charges <= kv.ledger.shortfall(seq.tenant):
+        if demand.charges <= kv.registry.ledger.shortfall(seq.tenant):
             assert plan is not None, "a demand within the reservation was refused"
             seen["guaranteed"] += 1
         if plan is None:
@@ -42,9 +42,9 @@ def _grow(kv: KVManager, seq: Sequence, tokens: int, seen: Counter[str]) -> None
             return
         seen[plan.reason] += 1
         for victim in plan.victims:
-            assert victim.tenant == seq.tenant or kv.ledger.surplus(victim.tenant) > 0
-            kv.release(kv.sequences[victim.seq_id])
-        assert kv.pool.num_idle() >= demand.idle_pages
+            assert victim.tenant == seq.tenant or kv.registry.ledger.surplus(victim.tenant) > 0
+            kv.release(kv.registry.sequences[victim.seq_id])
+        assert kv.registry.pool.num_idle() >= demand.idle_pages
         if not kv.can_allocate(seq, tokens, hit):
             seen["changed"] += 1
             return
@@ -71,8 +71,8 @@ def test_reservations_hold_under_an_abusive_tenant(seed: int) -> None:
             prompt += [rng.randrange(4) for _ in range(length)]
             kv.add_sequence(next_id, tenant, prompt, tier=int(tenant == "abuser"))
             next_id += 1
-        elif op < 0.85 and kv.sequences:
-            seq = kv.sequences[rng.choice(sorted(kv.sequences))]
+        elif op < 0.85 and kv.registry.sequences:
+            seq = kv.registry.sequences[rng.choice(sorted(kv.registry.sequences))]
             if seq.residency is Residency.SWAPPED:
                 if kv.can_swap_in(seq):
                     kv.swap_in(seq)
@@ -80,8 +80,8 @@ def test_reservations_hold_under_an_abusive_tenant(seed: int) -> None:
                 if seq.residency is Residency.RESIDENT and seq.num_computed == len(seq.tokens):
                     kv.append_tokens(seq, [rng.randrange(4)])
                 _grow(kv, seq, rng.randrange(1, 10), seen)
-        elif op < 0.93 and kv.sequences:
-            seq = kv.sequences[rng.choice(sorted(kv.sequences))]
+        elif op < 0.93 and kv.registry.sequences:
+            seq = kv.registry.sequences[rng.choice(sorted(kv.registry.sequences))]
             if seq.residency is Residency.RESIDENT and rng.random() < 0.5:
                 kv.begin_swap_out(seq)
                 kv.finish_swap_out(seq)

@@ -76,7 +76,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def _record(self, seq: Sequence, start: int, stop: int) -> None:
         assert seq.scope is not None
-        pool = self.kv.pool
+        pool = self.kv.registry.pool
         for block in range(start, stop):
             key_hash = seq.hashes[block]
             produced = (seq.scope.of_block(block), tuple(seq.tokens[: (block + 1) * BLOCK]))
@@ -90,14 +90,14 @@ class KVMachine(RuleBasedStateMachine):
         assert seq.scope is not None
         assert hit.num_tokens == hit.num_blocks * BLOCK < len(seq.tokens)
         for g, pages in enumerate(hit.pages):
-            sliding = g in self.kv.sliding_groups
+            sliding = g in self.kv.registry.sliding_groups
             for block, page in enumerate(pages):
                 if sliding and block < hit.sliding_start:
                     assert page == 0
                     continue
                 assert page, "a hit must only claim resident KV"
                 key = (g, seq.hashes[block])
-                assert self.kv.pool.key[page] == key
+                assert self.kv.registry.pool.key[page] == key
                 scope, tokens = self.produced[key]
                 assert scope == seq.scope.of_block(block), "cross-scope hit"
                 assert tokens == tuple(seq.tokens[: (block + 1) * BLOCK])
@@ -117,21 +117,21 @@ class KVMachine(RuleBasedStateMachine):
     # -- picking sequences ---------------------------------------------------
 
     def _pick(self, data: st.DataObject, state: Residency) -> Sequence:
-        ids = sorted(i for i, s in self.kv.sequences.items() if s.residency is state)
-        return self.kv.sequences[data.draw(st.sampled_from(ids))]
+        ids = sorted(i for i, s in self.kv.registry.sequences.items() if s.residency is state)
+        return self.kv.registry.sequences[data.draw(st.sampled_from(ids))]
 
     def _no_cross_tenant_holders(self) -> bool:
-        return all(h is None or len(h) <= 1 for h in self.kv.pool.holders)
+        return all(h is None or len(h) <= 1 for h in self.kv.registry.pool.holders)
 
     def _grow(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None) -> None:
         kv = self.kv
         demand = kv.demand(seq, num_tokens, hit)
         if not kv.can_allocate(seq, num_tokens, hit):
             plan = plan_eviction(kv, seq, demand, hit)
-            guaranteed = demand.charges <= kv.ledger.shortfall(seq.tenant)
+            guaranteed = demand.charges <= kv.registry.ledger.shortfall(seq.tenant)
             if plan is None:
                 if (
-                    kv.ledger.mode is not BudgetMode.FREE
+                    kv.registry.ledger.mode is not BudgetMode.FREE
                     and guaranteed
                     and self._no_cross_tenant_holders()
                 ):
@@ -139,13 +139,15 @@ class KVMachine(RuleBasedStateMachine):
                 return
             for victim in plan.victims:
                 assert victim.seq_id != seq.seq_id
-                kv.release(kv.sequences[victim.seq_id])
+                kv.release(kv.registry.sequences[victim.seq_id])
             kv.check_invariants()
-            assert kv.pool.num_idle() >= demand.idle_pages
-            assert kv.ledger.headroom(seq.tenant) >= demand.charges
-            assert hit is None or hit.epoch == kv.pool.evictions  # releasing evicts nothing
+            assert kv.registry.pool.num_idle() >= demand.idle_pages
+            assert kv.registry.ledger.headroom(seq.tenant) >= demand.charges
+            assert (
+                hit is None or hit.epoch == kv.registry.pool.evictions
+            )  # releasing evicts nothing
             now = kv.demand(seq, num_tokens, hit)
-            assert now.idle_pages <= kv.pool.num_idle()
+            assert now.idle_pages <= kv.registry.pool.num_idle()
             if not kv.fits(seq.tenant, now):
                 # Only possible when a victim shared pages of the hit: the
                 # requester must now pay for reviving them.
@@ -161,13 +163,13 @@ class KVMachine(RuleBasedStateMachine):
         whole sequences: no other tenant's sequence fits inside its tenant's
         surplus and frees the shortage on its own."""
         kv = self.kv
-        short = demand.idle_pages - kv.pool.num_idle()
+        short = demand.idle_pages - kv.registry.pool.num_idle()
         sim = _Simulation(kv, seq, hit)  # preview changes nothing: one serves every candidate
-        for other in kv.sequences.values():
+        for other in kv.registry.sequences.values():
             if other.tenant == seq.tenant or other.residency is not Residency.RESIDENT:
                 continue
             freed, relieved = sim.preview(other)
-            assert not (relieved <= kv.ledger.surplus(other.tenant) and freed >= short), (
+            assert not (relieved <= kv.registry.ledger.surplus(other.tenant) and freed >= short), (
                 "a demand within the reservation was refused",
                 other.seq_id,
             )
@@ -211,9 +213,11 @@ class KVMachine(RuleBasedStateMachine):
         self._grow(seq, min(chunk, len(seq.tokens) - seq.num_computed), None)
 
     def finish(self, data: st.DataObject) -> None:
-        if not self.kv.sequences:
+        if not self.kv.registry.sequences:
             return
-        seq = self.kv.sequences[data.draw(st.sampled_from(sorted(self.kv.sequences)))]
+        seq = self.kv.registry.sequences[
+            data.draw(st.sampled_from(sorted(self.kv.registry.sequences)))
+        ]
         self.kv.finish(seq)
 
     def preempt_by_release(self, data: st.DataObject) -> None:
@@ -221,7 +225,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def swap_out(self, data: st.DataObject) -> None:
         seq = self._pick(data, Residency.RESIDENT)
-        pool = self.kv.pool
+        pool = self.kv.registry.pool
         private = [
             page
             for page in seq.held_pages()
@@ -261,7 +265,7 @@ class KVMachine(RuleBasedStateMachine):
         tenant = data.draw(st.sampled_from(TENANTS), "tenant")
         reservation = data.draw(st.integers(0, 20), "reservation")
         extra = data.draw(st.integers(0, 20), "extra")
-        ledger = self.kv.ledger
+        ledger = self.kv.registry.ledger
         others = sum(a.reservation for n, a in ledger.accounts.items() if n != tenant)
         fits = others + reservation + ledger.public_bound <= ledger.capacity
         cap = min(reservation + extra, ledger.capacity)
@@ -274,11 +278,14 @@ class KVMachine(RuleBasedStateMachine):
 
     def add_public_prefix(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(sorted(PREFIXES)), "prefix")
-        if name in self.kv.public:
+        if name in self.kv.registry.public:
             return
-        pages = sum(len(t) // BLOCK for _, t in self.kv.public.items()) * self.kv.num_groups
-        pages += len(PREFIXES[name]) // BLOCK * self.kv.num_groups
-        fits = self.kv.ledger.total_reserved() + pages <= self.kv.ledger.capacity
+        pages = (
+            sum(len(t) // BLOCK for _, t in self.kv.registry.public.items())
+            * self.kv.registry.num_groups
+        )
+        pages += len(PREFIXES[name]) // BLOCK * self.kv.registry.num_groups
+        fits = self.kv.registry.ledger.total_reserved() + pages <= self.kv.registry.ledger.capacity
         try:
             self.kv.add_public_prefix(name, PREFIXES[name])
         except BudgetError:
@@ -288,7 +295,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def remove_public_prefix(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(sorted(PREFIXES)), "prefix")
-        if name in self.kv.public:
+        if name in self.kv.registry.public:
             self.kv.remove_public_prefix(name)
 
     def flush(self, data: st.DataObject) -> None:
@@ -328,7 +335,7 @@ class KVMachine(RuleBasedStateMachine):
         operation = data.draw(st.sampled_from(self.OPERATIONS), "operation")
         needed = self.NEEDS.get(operation)
         if needed is not None and not any(
-            s.residency is needed for s in self.kv.sequences.values()
+            s.residency is needed for s in self.kv.registry.sequences.values()
         ):
             return
         getattr(self, operation)(data)
@@ -338,12 +345,12 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
         self.subscriber.apply(self.events.take())
         assert self.subscriber.held("GPU") == {
-            (g, self.events.published((g, h))) for g, h in self.kv.pool.index
+            (g, self.events.published((g, h))) for g, h in self.kv.registry.pool.index
         }, "a subscriber's view of the pool is not the pool"
-        ledger = self.kv.ledger
+        ledger = self.kv.registry.ledger
         assert ledger.total_reserved() + ledger.public_bound <= ledger.capacity
         shared = ledger.accounts["@shared"].used
-        public_pages = sum(1 for p in self.kv.pool.public if p is not None)
+        public_pages = sum(1 for p in self.kv.registry.pool.public if p is not None)
         assert shared <= public_pages <= ledger.public_bound
 
 

@@ -84,7 +84,7 @@ def serve(pages: int, preemption: str) -> tuple[dict, dict, Scheduler]:
                 reasons[event.request_id, event.choice] = event.finish_reason
         scheduler.kv.check_invariants()
     assert not scheduler.has_work(), "wedged"
-    assert scheduler.kv.pool.num_referenced() == 0
+    assert scheduler.kv.registry.pool.num_referenced() == 0
     return dict(outputs), reasons, scheduler
 
 

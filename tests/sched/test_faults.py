@@ -52,9 +52,9 @@ def test_a_sequence_fault_fails_its_request_alone() -> None:
     for name, ids in prompts.items():
         s.submit(name, "t", ids, greedy(12))
     run = Run(s)
-    while s.requests["r2"].seq is None:  # r2 starts; from then on its inputs fail a step
+    while s.book.requests["r2"].seq is None:  # r2 starts; from then on its inputs fail a step
         run.step()
-    faulty.bad_seq = s.requests["r2"].seq.seq_id
+    faulty.bad_seq = s.book.requests["r2"].seq.seq_id
     ended: dict[str, Any] = {}
     for _ in range(500):
         if not s.has_work():
@@ -67,13 +67,13 @@ def test_a_sequence_fault_fails_its_request_alone() -> None:
         s.kv.check_invariants()
     assert ended["r2"].finish_reason == "error" and "cannot be packed" in ended["r2"].detail
     assert faulty.runs_refused == 1  # failed once, then it is gone
-    assert list(s.fault_log) == [
+    assert list(s.book.fault_log) == [
         ("r2", "t", "ValueError: its sampling parameters cannot be packed")
     ]
     for name, ids in prompts.items():
         if name != "r2":
             assert run.outputs[name] == expected(ids, 12), name
-    assert s.kv.pool.num_referenced() == 0
+    assert s.kv.registry.pool.num_referenced() == 0
 
 
 def test_a_failed_swap_copy_recomputes_the_victim() -> None:
@@ -87,8 +87,8 @@ def test_a_failed_swap_copy_recomputes_the_victim() -> None:
     faulty.copies_fail = True
     outputs = Run(s).drain()
     assert faulty.failed_copies > 0, "the pool is not small enough to preempt"
-    assert {kind for kind, _ in s.copy_failures} == {"swap_out"}
-    assert all(request.host_pages is None for request in s.requests.values())
+    assert {kind for kind, _ in s.book.copy_failures} == {"swap_out"}
+    assert all(request.host_pages is None for request in s.book.requests.values())
     assert s.swap_space.held == 0
     for name, ids in prompts.items():
         assert outputs[name] == expected(ids, 20), name
@@ -110,9 +110,9 @@ def test_a_failed_offload_drops_the_blocks_and_nothing_else() -> None:
         s.submit(f"flood{i}", "t", prompt(60 + i, 36), greedy(4))
     run.drain()
     assert faulty.failed_copies > 0
-    assert {kind for kind, _ in s.copy_failures} == {"offload"}
-    s.kv.host.check_invariants()
-    assert not s.kv.host.blocks  # every block whose copy failed is gone
+    assert {kind for kind, _ in s.book.copy_failures} == {"offload"}
+    s.kv.registry.host.check_invariants()
+    assert not s.kv.registry.host.blocks  # every block whose copy failed is gone
     faulty.copies_fail = False
     s.submit("again", "t", shared + [6], greedy(4))
     outputs = run.drain()

@@ -47,7 +47,7 @@ def run(
         if watch:
             shared_seen |= _shares_prompt_blocks(scheduler, watch)
     assert not scheduler.has_work(), "wedged"
-    assert scheduler.kv.pool.num_referenced() == 0
+    assert scheduler.kv.registry.pool.num_referenced() == 0
     if watch:
         assert shared_seen, "the choices never held the prompt's blocks together"
     return dict(outputs)
@@ -67,7 +67,7 @@ def _shares_prompt_blocks(scheduler: Scheduler, choices: list[Request]) -> bool:
         return False
     assert all(t == tables[0] for t in tables), tables
     for page in tables[0]:
-        assert kv.pool.ref[page] == len(choices)
+        assert kv.registry.pool.ref[page] == len(choices)
     return True
 
 
@@ -115,9 +115,9 @@ def test_cancel_ends_all_choices_or_one() -> None:
     scheduler.step()
     assert scheduler.cancel("r")
     assert all(r.phase is RequestPhase.FINISHED for r in (lead, *lead.forks))
-    assert not scheduler.cancel("r") and "r" not in scheduler.choices
+    assert not scheduler.cancel("r") and "r" not in scheduler.book.choices
     scheduler.kv.check_invariants()
-    assert scheduler.kv.pool.num_referenced() == 0
+    assert scheduler.kv.registry.pool.num_referenced() == 0
 
 
 def test_the_first_choices_end_leaves_the_others_running() -> None:
@@ -139,8 +139,8 @@ def test_the_first_choices_end_leaves_the_others_running() -> None:
                 outputs[event.choice].append(event.token)
         scheduler.kv.check_invariants()
     assert outputs[1] == want and outputs[2] == want
-    assert "r" not in scheduler.choices
-    assert scheduler.kv.pool.num_referenced() == 0
+    assert "r" not in scheduler.book.choices
+    assert scheduler.kv.registry.pool.num_referenced() == 0
 
 
 def test_the_queue_and_rate_limits_count_a_requests_choices_together() -> None:
@@ -154,7 +154,7 @@ def test_the_queue_and_rate_limits_count_a_requests_choices_together() -> None:
     # The prompt once and each choice's completion: 30 + 3 * 10 = 60 tokens.
     limited = make(limits=RateLimits(tokens_per_minute=60))
     limited.submit("a", "t", ids, greedy(10), n=3)
-    bucket = limited.limiters["t"].tokens
+    bucket = limited.book.limiters["t"].tokens
     assert bucket is not None and bucket.level == 0
     with pytest.raises(Rejection) as refused:
         make(limits=RateLimits(tokens_per_minute=59)).submit("a", "t", ids, greedy(10), n=3)
@@ -163,7 +163,7 @@ def test_the_queue_and_rate_limits_count_a_requests_choices_together() -> None:
     out = run(limited)
     assert bucket.level == 60 - 30 - sum(len(tokens) for tokens in out.values())
     # A request cancelled before it started gives back all it paid.
-    limited.limiters["t"].tokens.level = 60  # type: ignore[union-attr]
+    limited.book.limiters["t"].tokens.level = 60  # type: ignore[union-attr]
     limited.submit("b", "t", ids, greedy(10), n=3)
     assert limited.cancel("b") and bucket.level == 60
 
@@ -230,4 +230,4 @@ def test_a_prompts_own_logprobs_come_with_its_first_token() -> None:
     assert not scheduler.tokens.scoring
     run(scheduler)
     scheduler.kv.check_invariants()
-    assert scheduler.kv.pool.num_referenced() == 0
+    assert scheduler.kv.registry.pool.num_referenced() == 0

@@ -51,7 +51,9 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens() -> No
         s = scheduler(host)
         first = serve(s, "a", shared + [5], "first")
         flood(s, "b", 100)
-        assert not any(s.kv.pool.lookup((0, h)) for h in s.kv.sequences)  # nothing live
+        assert not any(
+            s.kv.registry.pool.lookup((0, h)) for h in s.kv.registry.sequences
+        )  # nothing live
         before = s.kv.stats()
         again = serve(s, "a", shared + [7], "again")
         after = s.kv.stats()
@@ -61,7 +63,9 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens() -> No
         if host:
             assert after.host_offloads > 0
             assert after.host_hit_tokens - before.host_hit_tokens >= 8 * BLOCK
-            assert not s.host_store.keys() - {b.row for b in s.kv.host.blocks.values()}
+            assert not s.host_copies.store.keys() - {
+                b.row for b in s.kv.registry.host.blocks.values()
+            }
     # Without the host cache the flood left nothing; with it, the 40-token prefix hit.
     assert outputs[0] == 0 and outputs[200] == 40
 
@@ -72,7 +76,7 @@ def test_no_cross_tenant_hit_on_either_tier(policy: SharingPolicy) -> None:
     secret = prompt(3, 40)
     serve(s, "a", secret + [5], "a1")
     flood(s, "a", 200)
-    assert len(s.kv.host) > 0
+    assert len(s.kv.registry.host) > 0
     before = s.kv.stats()
     out = serve(s, "b", secret + [5], "b1")
     after = s.kv.stats()
@@ -86,7 +90,7 @@ def test_flush_removal_and_quotas_leave_no_host_block_behind() -> None:
     serve(s, "a", prompt(4, 40) + [5], "a1")
     serve(s, "c", prompt(5, 40) + [5], "c1")
     flood(s, "b", 300)
-    host = s.kv.host
+    host = s.kv.registry.host
     assert host.used.get("a") and host.used.get("c")
     # A quota lowered live drops the excess at once, oldest first.
     s.set_tenant(TenantConfig("a", host_quota_pages=2))
@@ -103,7 +107,7 @@ def test_flush_removal_and_quotas_leave_no_host_block_behind() -> None:
     assert len(host) > 0
     s.kv.flush_cache()
     s.sync_host_cache()
-    assert len(host) == 0 and not s.kv.pool.lru and not s.host_store
+    assert len(host) == 0 and not s.kv.registry.pool.lru and not s.host_copies.store
     s.kv.check_invariants()
 
 
@@ -111,12 +115,12 @@ def test_a_quota_caps_a_tenant_and_leaves_the_others_room() -> None:
     s = scheduler(40, quota=8)
     serve(s, "a", prompt(6, 40) + [5], "a1")
     flood(s, "a", 500)
-    assert s.kv.host.used.get("a", 0) <= 8
+    assert s.kv.registry.host.used.get("a", 0) <= 8
     serve(s, "b", prompt(7, 40) + [5], "b1")
     flood(s, "b", 600)
-    assert 0 < s.kv.host.used.get("b", 0) <= 8
-    assert s.kv.host.used.get("a", 0) > 0  # b's blocks did not push a's out
-    assert SHARED_ACCOUNT not in s.kv.host.used
+    assert 0 < s.kv.registry.host.used.get("b", 0) <= 8
+    assert s.kv.registry.host.used.get("a", 0) > 0  # b's blocks did not push a's out
+    assert SHARED_ACCOUNT not in s.kv.registry.host.used
 
 
 def test_swap_and_the_host_cache_share_one_budget() -> None:
@@ -126,7 +130,7 @@ def test_swap_and_the_host_cache_share_one_budget() -> None:
     s.rates = rates(s.executor, swap_cheap=True)
     serve(s, "a", prompt(8, 40) + [5], "a1")
     flood(s, "a", 700, count=3)
-    cached = len(s.kv.host)
+    cached = len(s.kv.registry.host)
     assert cached > 0
     # Three long requests at once overfill the pool: someone is swapped out.
     for i in range(3):
@@ -136,12 +140,12 @@ def test_swap_and_the_host_cache_share_one_budget() -> None:
     while s.has_work():
         run.step()
         peak_swap = max(peak_swap, s.swap_space.held)
-        assert s.swap_space.held + len(s.kv.host) <= 24
+        assert s.swap_space.held + len(s.kv.registry.host) <= 24
         s.kv.check_invariants()
     for i in range(3):
         assert run.outputs[f"long{i}"] == expected(prompt(800 + i, 44), 12)
     assert s.stats().preempted_swap > 0 and peak_swap > 0
-    assert s.swap_space.held == 0 and s.kv.host.swap_held == 0
+    assert s.swap_space.held == 0 and s.kv.registry.host.swap_held == 0
 
 
 def test_copies_run_in_the_order_they_were_decided() -> None:
@@ -149,7 +153,7 @@ def test_copies_run_in_the_order_they_were_decided() -> None:
     (its sequence preempted, the page taken by another) must be copied in
     before it is copied out: the fuzz found the reverse order losing it."""
     s = scheduler(50)
-    cache, pool = s.kv.host, s.executor.pool
+    cache, pool = s.kv.registry.host, s.executor.pool
     page = 5
     pool[page] = 111
     assert cache.offer((0, b"k"), page, "a", None)
@@ -160,4 +164,4 @@ def test_copies_run_in_the_order_they_were_decided() -> None:
     s.sync_host_cache()
     assert (pool[page] == 111).all()
     (again,) = cache.blocks.values()
-    assert (_row(s.host_store[again.row]) == 111).all()
+    assert (_row(s.host_copies.store[again.row]) == 111).all()

@@ -67,7 +67,7 @@ def drive(
     for step in range(limit):
         if not scheduler.has_work():
             break
-        if step in preempt_at and scheduler.running:
+        if step in preempt_at and scheduler.book.running:
             victim = scheduler.book.running_order.snapshot()[-1]
             scheduler.preemption.preempt(victim, StepPlan(32, 8))
             scheduler.kv.check_invariants()
@@ -75,7 +75,7 @@ def drive(
             events.setdefault(event.request_id, []).append(event)
         scheduler.kv.check_invariants()
     assert not scheduler.has_work()
-    assert scheduler.kv.pool.num_referenced() == 0  # every page back
+    assert scheduler.kv.registry.pool.num_referenced() == 0  # every page back
     return events
 
 
@@ -280,7 +280,7 @@ def test_a_late_stop_emits_nothing_after_its_end_and_frees_its_pages() -> None:
     assert len(request.output) == 1  # the in-flight placeholder is gone with the request
     events = scheduler.step()  # that step read: its row dropped, exactly once
     assert events == [] and not scheduler.has_work()
-    assert scheduler.kv.pool.num_referenced() == 0
+    assert scheduler.kv.registry.pool.num_referenced() == 0
     scheduler.kv.check_invariants()
 
 
@@ -312,7 +312,7 @@ def test_no_placeholder_reaches_the_prefix_cache_or_its_events() -> None:
         if not scheduler.has_work():
             break
         scheduler.step()
-        for seq in scheduler.kv.sequences.values():
+        for seq in scheduler.kv.registry.sequences.values():
             assert PLACEHOLDER not in seq.tokens[: seq.known_tokens]
             assert seq.registered * scheduler.kv.block_size <= seq.known_tokens
         stored += [list(event.token_ids) for event in log.take() if hasattr(event, "token_ids")]

@@ -61,7 +61,7 @@ class Run:
             self.step()
         assert not scheduler.has_work(), "wedged"
         scheduler.kv.check_invariants()
-        assert scheduler.kv.pool.num_referenced() == 0
+        assert scheduler.kv.registry.pool.num_referenced() == 0
         return self.outputs
 
 
@@ -82,7 +82,7 @@ def test_a_tenant_named_local_is_an_ordinary_tenant() -> None:
     scheduler.set_tenant(TenantConfig("local"))
     scheduler.calibrate(repeats=1)  # calibration runs on a scratch manager
     assert executor.kv is scheduler.kv
-    assert set(scheduler.kv.ledger.accounts) == {"@shared", "local"}
+    assert set(scheduler.kv.registry.ledger.accounts) == {"@shared", "local"}
     ids = prompt(1, 20)
     scheduler.submit("r", "local", ids, greedy(8))
     assert drain(scheduler)["r"] == expected(ids, 8)
@@ -153,11 +153,11 @@ def test_reclaiming_waits_rather_than_push_a_tenant_under_its_reservation() -> N
     run = Run(scheduler)
     for _ in range(6):
         run.step()
-    assert scheduler.kv.ledger.accounts["big"].used > 10
+    assert scheduler.kv.registry.ledger.accounts["big"].used > 10
     small = prompt(4, 40)
     scheduler.submit("s", "small", small, greedy(20))
     run.step()
-    assert scheduler.tenant_stats["big"].preempted_recompute == 0
+    assert scheduler.book.tenant_stats["big"].preempted_recompute == 0
     outputs = run.drain()
     assert outputs["b"] == expected(big, 10) and outputs["s"] == expected(small, 20)
 
@@ -174,10 +174,10 @@ def test_swap_keeps_shared_pages_shared_within_the_host_budget() -> None:
     for _ in range(4):
         run.step()
     scheduler.submit("two", "t", second, greedy(12))
-    while scheduler.requests["two"].started_at is None:
+    while scheduler.book.requests["two"].started_at is None:
         run.step()
-    one = scheduler.requests["one"]
-    two = scheduler.requests["two"]
+    one = scheduler.book.requests["one"]
+    two = scheduler.book.requests["two"]
     assert two.cached_tokens == 32  # the prefix is shared
     seq = two.seq
     assert seq is not None
@@ -346,7 +346,7 @@ def flood(
         if sent == 10 and not scheduler.has_work():
             break
     assert not scheduler.has_work()
-    starts = {r: q for r, _, q, _ in scheduler.start_log}
+    starts = {r: q for r, _, q, _ in scheduler.book.start_log}
     return scheduler, starts, outputs, predicted
 
 
@@ -408,9 +408,9 @@ def test_a_swap_victim_that_shares_pages_is_recomputed() -> None:
     for _ in range(4):
         run.step()
     scheduler.submit("two", "t", base + [4], greedy(12))
-    while scheduler.requests["two"].started_at is None:
+    while scheduler.book.requests["two"].started_at is None:
         run.step()
-    two = scheduler.requests["two"]
+    two = scheduler.book.requests["two"]
     scheduler.preemption.preempt(two, StepPlan(16, 6), must_free=True)
     assert two.phase is RequestPhase.WAITING  # recomputed, though swap is configured
     run.drain()

@@ -45,7 +45,7 @@ class CheckedScheduler(Scheduler):
         def checked(request: Any, plan: Any, **options: Any) -> None:
             preempt(request, plan, **options)
             if self.reclaiming_for is not None and request.tenant != self.reclaiming_for:
-                account = self.kv.ledger.accounts[request.tenant]
+                account = self.kv.registry.ledger.accounts[request.tenant]
                 assert account.used >= account.reservation, (request.tenant, account)
 
         checked.reclaim_check = True  # type: ignore[attr-defined]
@@ -96,7 +96,7 @@ class PolicyMachine(RuleBasedStateMachine):
             overlap=overlap,  # each step dispatched before the one before it is read
         )
         self.scheduler = CheckedScheduler(self.executor, config, rates=rates, clock=self.clock)
-        self.capacity = self.scheduler.kv.ledger.capacity
+        self.capacity = self.scheduler.kv.registry.ledger.capacity
         for name in TENANTS[:2]:
             self.scheduler.set_tenant(TenantConfig(name, max_queue=8))
         self.serial = 0
@@ -132,7 +132,7 @@ class PolicyMachine(RuleBasedStateMachine):
         ends: str | None,
     ) -> None:
         for _ in range(burst):
-            tenant = data.draw(st.sampled_from(sorted(self.scheduler.tenants)), "tenant")
+            tenant = data.draw(st.sampled_from(sorted(self.scheduler.book.tenants)), "tenant")
             tier = data.draw(st.sampled_from([None, *TIERS]), "tier")
             self._submit(
                 tenant, tier, length, max_tokens, shared_start, sample, salt, deadline, ends
@@ -206,7 +206,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
-        live = sorted(self.scheduler.requests)
+        live = sorted(self.scheduler.book.requests)
         if live:
             request_id = data.draw(st.sampled_from(live), "request")
             assert self.scheduler.cancel(request_id)
@@ -221,12 +221,12 @@ class PolicyMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fault_a_sequence(self, data: st.DataObject) -> None:
         """The next step a running request is in fails on its own inputs."""
-        running = sorted(self.scheduler.running)
+        running = sorted(self.scheduler.book.running)
         if running:
             self._fault(data.draw(st.sampled_from(running), "faulted"))
 
     def _fault(self, request_id: str) -> None:
-        seq = self.scheduler.requests[request_id].seq
+        seq = self.scheduler.book.requests[request_id].seq
         assert seq is not None
         self.faulted = request_id
         self.faulty.bad_seq = seq.seq_id
@@ -284,8 +284,8 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def remove_tenant(self, data: st.DataObject) -> None:
-        name = data.draw(st.sampled_from(sorted(self.scheduler.tenants)), "tenant")
-        if len(self.scheduler.tenants) < 2:
+        name = data.draw(st.sampled_from(sorted(self.scheduler.book.tenants)), "tenant")
+        if len(self.scheduler.book.tenants) < 2:
             return
         try:
             self.scheduler.remove_tenant(name)
@@ -303,15 +303,17 @@ class PolicyMachine(RuleBasedStateMachine):
     @rule()
     def flush(self) -> None:
         self.scheduler.flush_cache()
-        assert not self.scheduler.kv.host.blocks and not self.scheduler.kv.pool.lru
+        assert (
+            not self.scheduler.kv.registry.host.blocks and not self.scheduler.kv.registry.pool.lru
+        )
 
-    @precondition(lambda self: "head" not in self.scheduler.kv.public)
+    @precondition(lambda self: "head" not in self.scheduler.kv.registry.public)
     @rule()
     def add_prefix(self) -> None:
         with contextlib.suppress(ValueError):  # it would break the reservations
             self.scheduler.kv.add_public_prefix("head", [5, 6, 7, 8, 9, 10, 11, 12])
 
-    @precondition(lambda self: "head" in self.scheduler.kv.public)
+    @precondition(lambda self: "head" in self.scheduler.kv.registry.public)
     @rule()
     def remove_prefix(self) -> None:
         self.scheduler.kv.remove_public_prefix("head")
@@ -323,18 +325,18 @@ class PolicyMachine(RuleBasedStateMachine):
         scheduler = self.scheduler
         kv = scheduler.kv
         kv.check_invariants()
-        held = {p for r in scheduler.requests.values() if r.seq for p in r.seq.held_pages()}
-        assert kv.pool.num_referenced() == len(held)
-        host = sum(len(r.host_pages[0]) for r in scheduler.swapped.values() if r.host_pages)
+        held = {p for r in scheduler.book.requests.values() if r.seq for p in r.seq.held_pages()}
+        assert kv.registry.pool.num_referenced() == len(held)
+        host = sum(len(r.host_pages[0]) for r in scheduler.book.swapped.values() if r.host_pages)
         assert scheduler.swap_space.held == host
-        cache = kv.host
+        cache = kv.registry.host
         if cache.enabled:  # one host budget: swap first, the cache in what is left
             assert cache.swap_held == host and host + len(cache) <= cache.total
             scheduler.sync_host_cache()  # as the next step would: then the data is the cache's
-            assert set(scheduler.host_store) <= {b.row for b in cache.blocks.values()}
+            assert set(scheduler.host_copies.store) <= {b.row for b in cache.blocks.values()}
         elif scheduler.config.swap_pages is not None:
             assert host <= scheduler.config.swap_pages
-        for request in scheduler.requests.values():
+        for request in scheduler.book.requests.values():
             assert request.phase is not RequestPhase.FINISHED
 
     def teardown(self) -> None:
@@ -343,19 +345,19 @@ class PolicyMachine(RuleBasedStateMachine):
         scheduler = self.scheduler
         # A sane configuration again: no reservation, no cap, room to reserve.
         scheduler.kv.set_mode(BudgetMode.RESERVE)
-        for name, tenant in list(scheduler.tenants.items()):
+        for name, tenant in list(scheduler.book.tenants.items()):
             scheduler.set_tenant(TenantConfig(name, tier=tenant.tier, max_queue=8))
         for _ in range(DRAIN_STEPS):
             if not scheduler.has_work():
                 break
             self._one_step()
         assert not scheduler.has_work(), [
-            (r.request_id, r.phase, r.tenant) for r in scheduler.requests.values()
+            (r.request_id, r.phase, r.tenant) for r in scheduler.book.requests.values()
         ]
         for request_id in self.expected:
             assert request_id in self.done, request_id
         scheduler.kv.check_invariants()
-        assert scheduler.kv.pool.num_referenced() == 0
+        assert scheduler.kv.registry.pool.num_referenced() == 0
         assert scheduler.swap_space.held == 0
 
 

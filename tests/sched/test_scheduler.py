@@ -34,7 +34,7 @@ def run_to_end(scheduler: Scheduler, limit: int = 500) -> dict[str, list[int]]:
                 outputs.setdefault(event.request_id, []).append(event.token)
     assert not scheduler.has_work()
     scheduler.kv.check_invariants()
-    assert scheduler.kv.pool.num_referenced() == 0
+    assert scheduler.kv.registry.pool.num_referenced() == 0
     return outputs
 
 
@@ -102,7 +102,7 @@ def test_preemption_is_invisible(engine, kind: str, when: str, sampling: str) ->
         (1, 0) if kind == "swap" else (0, 1)
     )
     scheduler.kv.check_invariants()
-    assert scheduler.kv.pool.num_referenced() == 0
+    assert scheduler.kv.registry.pool.num_referenced() == 0
 
 
 def test_rate_limit_refuses_with_a_correct_retry_after(engine) -> None:  # type: ignore[no-untyped-def]
@@ -136,7 +136,7 @@ def test_tokens_per_minute_refunds_what_was_not_generated(engine) -> None:  # ty
     early costs its prompt and what it generated."""
     limited = TenantConfig("slow", limits=RateLimits(tokens_per_minute=100))
     scheduler = make_scheduler(engine, slow=limited)
-    bucket = scheduler.limiters["slow"].tokens
+    bucket = scheduler.book.limiters["slow"].tokens
     assert bucket is not None
     scheduler.submit("a", "slow", prompt(2, 20), greedy(60))  # 80 of 100
     with pytest.raises(Rejection):
@@ -161,7 +161,7 @@ def test_a_tenant_with_live_requests_cannot_be_removed(engine) -> None:  # type:
         scheduler.remove_tenant("a")
     run_to_end(scheduler)
     scheduler.remove_tenant("a")
-    assert "a" not in scheduler.tenants
+    assert "a" not in scheduler.book.tenants
 
 
 def test_static_mode_refuses_by_the_reservation(engine) -> None:  # type: ignore[no-untyped-def]
@@ -203,10 +203,10 @@ def test_cancel_and_deadline_free_everything(engine) -> None:  # type: ignore[no
     scheduler.submit("a", "t", prompt(6, 40), greedy(50))  # fills the step's 32-token budget
     scheduler.submit("late", "t", prompt(7, 10), greedy(5), deadline_s=0.5)
     scheduler.step()
-    assert scheduler.kv.pool.num_referenced() > 0
-    assert scheduler.requests["late"].started_at is None
+    assert scheduler.kv.registry.pool.num_referenced() > 0
+    assert scheduler.book.requests["late"].started_at is None
     assert scheduler.cancel("a") and not scheduler.cancel("a")
-    assert scheduler.kv.pool.num_referenced() == 0  # cancelled: pages back at once
+    assert scheduler.kv.registry.pool.num_referenced() == 0  # cancelled: pages back at once
     scheduler.clock.now += 1.0  # type: ignore[attr-defined]
     events = scheduler.step()
     assert [(e.request_id, e.finish_reason) for e in events] == [("late", "deadline")]
@@ -232,12 +232,12 @@ def _isolation(engine, mode: BudgetMode) -> tuple[list[int], dict[str, list[int]
             name = f"good-{len(submitted)}"
             scheduler.submit(name, "good", prompt(200 + len(submitted), 12), greedy(8))
             submitted[name] = step
-        before = {r for r, q in scheduler.requests.items() if q.started_at is None}
+        before = {r for r, q in scheduler.book.requests.items() if q.started_at is None}
         for event in scheduler.step():
             if event.token is not None:
                 outputs.setdefault(event.request_id, []).append(event.token)
         for name in list(submitted):
-            request = scheduler.requests.get(name)
+            request = scheduler.book.requests.get(name)
             started = request is None or request.started_at is not None
             if name in before and started and name.startswith("good"):
                 waits.append(step - submitted[name])
@@ -286,10 +286,10 @@ def test_fair_share_between_backlogged_tenants(  # type: ignore[no-untyped-def]
         assert 0.5 <= ratio <= 2.0, ratio
     else:
         assert abs(ratio - 2.0) <= 0.4, ratio
-    for request_id in list(scheduler.requests):
+    for request_id in list(scheduler.book.requests):
         scheduler.cancel(request_id)
     scheduler.kv.check_invariants()
-    assert scheduler.kv.pool.num_referenced() == 0
+    assert scheduler.kv.registry.pool.num_referenced() == 0
 
 
 def test_bench_scheduler_prints_figures() -> None:
@@ -343,7 +343,7 @@ def test_the_engine_tables_follow_the_kv_tables(make_engine: MakeEngine) -> None
         scheduler.step()
         if engine._table_edits:
             rows.apply(engine._table_edits)
-        for request in scheduler.running.values():
+        for request in scheduler.book.running.values():
             seq = request.seq
             assert seq is not None
             if rows.stamps[seq.slot + 1] != seq.table_version:

@@ -42,7 +42,7 @@ def run(scheduler: Scheduler) -> list[StepEvent]:
         events += scheduler.step()
         scheduler.kv.check_invariants()
     assert not scheduler.has_work()
-    assert scheduler.kv.pool.num_referenced() == 0  # every page back
+    assert scheduler.kv.registry.pool.num_referenced() == 0  # every page back
     return events
 
 
@@ -148,7 +148,7 @@ def test_a_watch_that_fails_fails_its_request_alone() -> None:
     assert len(broken) == 3  # two tokens, then the failure in place of the third
     other = [e for e in events if e.request_id == "other"]
     assert len(other) == 10 and other[-1].finish_reason == "length"
-    assert scheduler.fault_log[-1][0] == "broken"
+    assert scheduler.book.fault_log[-1][0] == "broken"
 
 
 def test_stop_strings_without_a_watch_are_refused() -> None:

@@ -201,7 +201,7 @@ class Served:
         runtime = self.daemon.runtime
         assert runtime is not None and runtime.in_flight == 0
         kv = runtime.scheduler.kv
-        assert kv.pool.num_referenced() == 0, kv.pool.num_referenced()
+        assert kv.registry.pool.num_referenced() == 0, kv.registry.pool.num_referenced()
         kv.check_invariants()
 
 

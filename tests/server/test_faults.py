@@ -1,4 +1,4 @@
-"""The fault matrix in-process: each row of the README's fault table,
+"""The fault matrix in-process: each row of docs/howto/failures.md's fault table,
 injected (kvd/faults.py, armed here directly) into the real daemon over the
 simulated executor, which reaches the engine's fault points, ending in its
 written-down behaviour. The process-level endings (exit 1, the restart, a

@@ -1,6 +1,6 @@
 """Two kvd replicas behind a real inference gateway: smg (Shepherd Model
 Gateway, from PyPI) in front of two in-process daemons on real loopback
-listeners, launched as docs/scale-out.md says. The gateway registers both,
+listeners, launched as docs/howto/scale-out.md says. The gateway registers both,
 forwards each tenant's own key (so each request runs, and is billed, as its
 tenant), and its cache-aware policy sends a repeated prefix back to the
 replica that cached it."""
@@ -29,7 +29,7 @@ PROMPT = "A bakery's recipe book begins with the rules of the house: " * 8
 
 
 def launch_smg(urls: list[str], policy: str, port: int, log: BinaryIO) -> subprocess.Popen[bytes]:
-    """smg as an operator runs it in front of kvd (docs/scale-out.md): alice's
+    """smg as an operator runs it in front of kvd (docs/howto/scale-out.md): alice's
     key is the gateway's own, bob's is listed and forwarded as it came."""
     args = smg_command(urls, policy, port, ALICE, {"bob": BOB})
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)

@@ -83,8 +83,8 @@ async def published_all(served: Served) -> None:
 
 def pool_view(served: Served, medium: str = GPU) -> set[tuple[int, int]]:
     kv = served.scheduler.kv
-    index = kv.pool.index if medium == GPU else kv.host.blocks
-    events = kv.pool.events
+    index = kv.registry.pool.index if medium == GPU else kv.registry.host.blocks
+    events = kv.registry.pool.events
     assert events is not None
     return {(g, events.published((g, h))) for g, h in index}
 

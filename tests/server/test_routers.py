@@ -27,10 +27,10 @@ def full_attention_view(served: Served) -> set[int]:
     """What the pool holds of the full-attention groups (the ones a router
     can match a prompt against), as published hashes."""
     kv = served.scheduler.kv
-    events = kv.pool.events
+    events = kv.registry.pool.events
     assert events is not None
     groups = {g for g, spec in enumerate(events.groups) if spec.kind == FULL_ATTENTION}
-    return {events.published((g, h)) for g, h in kv.pool.index if g in groups}
+    return {events.published((g, h)) for g, h in kv.registry.pool.index if g in groups}
 
 
 def score(indexer: DynamoIndexer, tokens: list[int], namespace: str | None = None) -> int:
@@ -95,14 +95,14 @@ async def test_dynamos_indexer_holds_and_scores_what_the_pool_holds(tmp_path: Pa
             assert await trio.to_thread.run_sync(score, indexer, mine) == 0
             # A public prefix is unscoped: a query without a salt finds it for
             # anyone (Dynamo seeds every block of a salted query with the salt,
-            # so a router asks both ways; docs/scale-out.md).
+            # so a router asks both ways; docs/howto/scale-out.md).
             assert await trio.to_thread.run_sync(score, indexer, house) == len(house)
             assert await trio.to_thread.run_sync(score, indexer, house, "tenant:bob") == 0
 
             # Evictions: distinct prompts until the pool drops cached blocks.
             kv = served.scheduler.kv
-            before, n = kv.pool.evictions, 0
-            while kv.pool.evictions == before:
+            before, n = kv.registry.pool.evictions, 0
+            while kv.registry.pool.evictions == before:
                 n += 1
                 prompt = [2, *range(20_000 + 97 * n, 20_000 + 97 * n + 6 * block)]
                 reply = await served.complete(BOB, prompt, max_tokens=2)
