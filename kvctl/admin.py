@@ -123,7 +123,7 @@ def render_status(s: dict[str, Any]) -> str:
         f"weights {_weights(s['model'])}, "
         f"KV {s['model'].get('kv_dtype', s['model']['dtype'])}, "
         f"context {s['model']['max_model_len']})",
-        f"pool {pool['pages']} pages x {page_mib:.3g} MiB: used {pool['used']}, "
+        f"pool {pool['pages']} pages x {page_mib:.3g} MiB: referenced {pool['referenced']}, "
         f"cached {pool['cached']}, free {pool['free']}, reserved {pool['reserved']}"
         + _findable(pool),
         f"budget {s['budget_mode']}, sharing {s['sharing_policy']}, "
@@ -170,7 +170,7 @@ def render_tenants(tenants: list[dict[str, Any]]) -> str:
          "HOST", "HOST QUOTA", "RPM", "TPM", "OUT TOKENS", "PREEMPT"],
         [
             [
-                t["name"], t["tier"], t["weight"], t["used_pages"], t["reservation_pages"],
+                t["name"], t["tier"], t["weight"], t["charged_pages"], t["reservation_pages"],
                 t["cap_pages"], t["running"], t["waiting"], t["swapped"],
                 t.get("host_cached_pages", 0), t.get("host_quota_pages"),
                 t["requests_per_minute"], t["tokens_per_minute"], t["completion_tokens"],

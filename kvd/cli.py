@@ -216,6 +216,9 @@ def _positive_list(text: str, option: str) -> tuple[int, ...]:
 @cli.group()
 def bench() -> None:
     """Benchmarks that print figures for this machine."""
+    from kvd.engine import compile_cache
+
+    compile_cache.enable_default()
 
 
 @bench.command("kv")
@@ -623,8 +626,11 @@ def experiment(
     isolation) or `report`: all six, then OUT/README.md with every plot.
     Each writes OUT/NAME.json and OUT/NAME.png and prints its table.
     """
+    from kvd.engine import compile_cache
     from kvd.experiments.report import render_report, run_one, run_report
     from kvd.experiments.results import render
+
+    compile_cache.enable_default()
 
     def say(text: str) -> None:
         click.echo(text, err=True)

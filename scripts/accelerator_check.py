@@ -31,6 +31,9 @@ from kvd.sched.scheduler import Scheduler, TenantConfig
 
 
 def main() -> None:
+    from kvd.engine import compile_cache
+
+    compile_cache.enable_default()  # a process's entry point enables JAX's cache
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--batches", default="1,8,32,128")

@@ -267,6 +267,9 @@ def step_times(engine: Engine, compiler: GrammarCompiler, rounds: int) -> None:
 
 
 def main() -> None:
+    from kvd.engine import compile_cache
+
+    compile_cache.enable_default()  # a process's entry point enables JAX's cache
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--max-tokens", type=int, default=200)

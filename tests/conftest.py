@@ -56,6 +56,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if not (own / "models").exists():
         (own / "models").symlink_to(models, target_is_directory=True)
     os.environ["KVD_CACHE_DIR"] = str(own)
+    # Every engine of this process compiles into the process's own cache
+    # (JAX's cache is process-wide: the entry point enables it, as kvd's
+    # commands do; XLA_FLAGS is set above, before JAX starts).
+    from kvd.engine import compile_cache
+
+    compile_cache.enable_default()
 
 
 # Modules that take minutes, first: xdist hands whole modules out in

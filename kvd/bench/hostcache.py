@@ -101,7 +101,7 @@ def run_host_cache_bench(
             first: float | None = None
             tokens: list[int] = []
             while scheduler.has_work():
-                for event in scheduler.step():
+                for event in scheduler.step().events:
                     if event.token is not None:
                         tokens.append(event.token)
                         if first is None:

@@ -240,11 +240,11 @@ def _peak_rss_gib(pid: int) -> float | None:
     return None
 
 
-def _used_pages(url: str) -> int:
+def _referenced_pages(url: str) -> int:
     import httpx
 
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith('kvd_pool_pages{state="used"}'):
+        if line.startswith('kvd_pool_pages{state="referenced"}'):
             return int(float(line.split()[-1]))
     raise RuntimeError("no kvd_pool_pages in /metrics")
 
@@ -289,7 +289,7 @@ def run_http_load(
 
             elapsed = trio.run(load)
             time.sleep(0.5)  # the metrics snapshot trails by < 0.3 s
-            leaked = _used_pages(metrics_url)
+            leaked = _referenced_pages(metrics_url)
             peak_rss = _peak_rss_gib(proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -372,7 +372,7 @@ def run_inprocess(
     # duration is up, then the ones in flight run to their end.
     while scheduler.has_work():
         replace = time.monotonic() - start < duration
-        for event in scheduler.step():
+        for event in scheduler.step().events:
             if event.token is not None:
                 tokens += 1
             if event.finished and replace:

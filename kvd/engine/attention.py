@@ -31,21 +31,19 @@ step that also holds a prefill chunk costs one query row, not a tile's worth.
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from kvd.engine.config import ATTENTION_CHOICES
 from kvd.engine.kvquant import dequantise, from_pool, is_quantised
 
-# Which implementation ``attend`` traces: "auto" (the Pallas kernel on the TPU
-# backend, this reference elsewhere), "reference", "pallas", or
-# "pallas-interpret" (the kernel interpreted on any backend: for tests).
-ATTENTION_ENV = "KVD_ATTENTION"
-
-
-IMPLEMENTATIONS = ("reference", "pallas", "pallas-interpret")
+# Which implementation ``attend`` traces (``EngineConfig.attention``, the
+# config's ``model.attention``): "auto" (the Pallas kernel on the TPU backend,
+# this reference elsewhere), "reference", "pallas", or "pallas-interpret"
+# (the kernel interpreted on any backend: for tests).
+IMPLEMENTATIONS = ATTENTION_CHOICES[1:]
 
 NO_WINDOW = 1 << 30  # a global layer's "window": longer than any sequence
 
@@ -68,17 +66,14 @@ TILE_ITEMS = 4
 SINGLE_ITEMS = 16
 
 
-def resolve_attention() -> str:
-    """The implementation an engine built now will trace (read once, at
-    construction: it is part of the engine's static spec, so two engines
-    with different choices never share a trace)."""
-    choice = os.environ.get(ATTENTION_ENV, "auto")
+def resolve_attention(choice: str = "auto") -> str:
+    """The implementation an engine asking for ``choice`` traces (resolved
+    once, at construction: it is part of the engine's static spec, so two
+    engines with different choices never share a trace)."""
     if choice == "auto":
         return "pallas" if jax.default_backend() == "tpu" else "reference"
     if choice not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"{ATTENTION_ENV}={choice!r}: use auto, reference, pallas or pallas-interpret"
-        )
+        raise ValueError(f"attention {choice!r}: use auto, reference, pallas or pallas-interpret")
     return choice
 
 

@@ -62,6 +62,16 @@ def enable(directory: Path) -> bool:
         return True
 
 
+def enable_default() -> bool:
+    """Use kvd's cache directory (``kvd.engine.loader.cache_dir()``, ``xla``
+    in it). JAX's cache is process-wide, so the process's entry point calls
+    this (``kvd serve``, ``kvd generate``, ``kvd bench``, ``kvd experiment``,
+    the test session), not the engine it builds."""
+    from kvd.engine.loader import cache_dir
+
+    return enable(cache_dir() / "xla")
+
+
 def _unusable(directory: Path) -> str | None:
     """Why ``directory`` cannot hold the cache, or None."""
     probe = directory / f".probe-{os.getpid()}-{threading.get_ident()}"

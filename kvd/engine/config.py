@@ -14,8 +14,25 @@ import msgspec
 
 from kvd.kv.geometry import AttentionKind, KVGeometry, LayerType, canonical_dtype, interleaved_kinds
 
+# The attention implementations an engine may ask for (kvd/engine/attention.py).
+ATTENTION_CHOICES = ("auto", "reference", "pallas", "pallas-interpret")
 
-class ConfigError(ValueError):
+
+class EngineDefaults:
+    """The engine's defaults, defined once: ``EngineConfig`` and the daemon's
+    ``[model]`` and ``[pool]`` sections both take them (this module imports
+    no JAX, so the daemon's configuration can)."""
+
+    DTYPE = "float32"
+    BLOCK_SIZE = 16
+    MAX_MODEL_LEN = 4096
+    MAX_NUM_SEQS = 32
+    MAX_NUM_BATCHED_TOKENS = 512
+    TENSOR_PARALLEL = 1
+    ATTENTION = "auto"
+
+
+class ModelConfigError(ValueError):
     """A model configuration that kvd cannot run; the message names the field."""
 
 
@@ -147,8 +164,10 @@ def from_hf_config(raw: dict[str, Any], name: str = "checkpoint") -> ModelConfig
         if model_type in ("gemma4_text", "gemma4"):
             return _gemma4_from_hf(text, name)
     except KeyError as exc:
-        raise ConfigError(f"config.json lacks {exc.args[0]!r}") from None
-    raise ConfigError(f"unsupported model_type {model_type!r} (kvd runs gemma3_text, gemma4_text)")
+        raise ModelConfigError(f"config.json lacks {exc.args[0]!r}") from None
+    raise ModelConfigError(
+        f"unsupported model_type {model_type!r} (kvd runs gemma3_text, gemma4_text)"
+    )
 
 
 def _layer_kinds(text: dict[str, Any]) -> tuple[AttentionKind, ...]:
@@ -212,7 +231,7 @@ _GEMMA4_UNSUPPORTED = {
 def _gemma4_from_hf(text: dict[str, Any], name: str) -> ModelConfig:
     for key, what in _GEMMA4_UNSUPPORTED.items():
         if text.get(key):
-            raise ConfigError(
+            raise ModelConfigError(
                 f"this Gemma 4 checkpoint uses {what} ({key}), which kvd does not run"
             )
     rope = text.get("rope_parameters") or {}

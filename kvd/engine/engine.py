@@ -24,7 +24,6 @@ import numpy as np
 import structlog
 
 from kvd import faults
-from kvd.engine import compile_cache
 from kvd.engine.batching import (
     SAMPLING_BIAS,
     SAMPLING_FLOAT_BIAS,
@@ -47,6 +46,7 @@ from kvd.engine.batching import (
     sliding_ring,
     unpack,
 )
+from kvd.engine.config import EngineDefaults
 from kvd.engine.loader import LoadedModel
 from kvd.engine.model import (
     EngineSpec,
@@ -65,23 +65,25 @@ from kvd.kv.layout import build_layout
 from kvd.kv.manager import KVManager, StepColumns
 from kvd.kv.sequence import Sequence
 from kvd.sched.constraint import mask_words
-from kvd.sched.executor import ExecutorLimits, ParamsLookup, PromptScores, StepOutput
+from kvd.sched.executor import ExecutorSizes, ParamsLookup, PromptScores, StepOutput
 
 Progress = Callable[[int, int, str], None]
 
 
 class EngineConfig(msgspec.Struct, frozen=True):
-    dtype: str = "float32"  # weights and activations
+    dtype: str = EngineDefaults.DTYPE  # weights and activations
     kv_dtype: str | None = None  # None: the compute dtype
-    block_size: int = 16
-    max_model_len: int = 4096
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    block_size: int = EngineDefaults.BLOCK_SIZE
+    max_model_len: int = EngineDefaults.MAX_MODEL_LEN
+    max_num_seqs: int = EngineDefaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = EngineDefaults.MAX_NUM_BATCHED_TOKENS
     pool_tokens: int = 65_536  # KV capacity, in tokens of a global layer group
     # Run same-shaped layers as one lax.scan: compiles several times faster,
     # but on XLA:CPU runs ~1.5x slower (the stacked weights are sliced per layer).
     scan_layers: bool = False
-    tensor_parallel: int = 1  # devices the model is split over (kvd/engine/sharding.py)
+    # Devices the model is split over (kvd/engine/sharding.py).
+    tensor_parallel: int = EngineDefaults.TENSOR_PARALLEL
+    attention: str = EngineDefaults.ATTENTION  # kvd.engine.config.ATTENTION_CHOICES
 
 
 class EngineError(ValueError):
@@ -228,14 +230,6 @@ def head_and_sample(
     return (jnp.zeros(rows.shape[0], tokens.dtype).at[:seqs].set(tokens), *rest)
 
 
-def enable_compilation_cache() -> None:
-    """Keep compiled programs on disk, so a restart does not compile again
-    (if the cache directory works: see compile_cache.py)."""
-    from kvd.engine.loader import cache_dir
-
-    compile_cache.enable(cache_dir() / "xla")
-
-
 def _inject_step_fault() -> None:
     action = faults.fire("step")
     if action == "raise":
@@ -301,9 +295,22 @@ class _LaterRows:
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
-        enable_compilation_cache()
+        """Size the pool, place weights and pool on the devices, choose the
+        shape buckets and set up the programs (compiled by ``warm_up``).
+        The order matters: the pool is placed after the weights, to keep the
+        peak memory down."""
         self.model = model
         self.config = cfg = config or EngineConfig()
+        kv_dtype = self._size(model, cfg)
+        params = prepare_params(self.spec, model.params) if cfg.scan_layers else model.params
+        pool_sharding = self._place(model, cfg, params, kv_dtype)
+        self._choose_buckets(model, cfg)
+        self._jit_programs(cfg, model, pool_sharding)
+        self._start_counters(cfg)
+
+    def _size(self, model: LoadedModel, cfg: EngineConfig) -> str:
+        """The layout, the pool's pages, the sliding rings and the model's
+        spec; returns the pool's dtype."""
         if cfg.max_model_len > model.config.max_position:
             raise EngineError(
                 f"max_model_len {cfg.max_model_len} exceeds the model's {model.config.max_position}"
@@ -311,22 +318,33 @@ class Engine:
         kv_dtype = engine_kv_dtype(cfg.kv_dtype or cfg.dtype)
         self.layout = build_layout(model.config.kv_geometry(kv_dtype), cfg.block_size)
         # One more than the blocks: page 0 is the null page padding points at.
-        self.num_pages = pages = cfg.pool_tokens // cfg.block_size * self.layout.num_groups + 1
+        self.num_pages = cfg.pool_tokens // cfg.block_size * self.layout.num_groups + 1
         self.vocab_size = model.config.vocab_size
-        max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
+        self._max_blocks = max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
         # Sliding groups' tables are rings over what one step can see; none
         # when that is the whole context anyway.
         ring = sliding_ring(self.layout, cfg.max_num_batched_tokens)
         self.sliding_ring = ring if ring < max_blocks else 0
         self.rings = group_rings(self.layout, self.sliding_ring)
-        self.spec = EngineSpec.build(model.config, self.layout, self.sliding_ring)
-        params = prepare_params(self.spec, model.params) if cfg.scan_layers else model.params
+        try:
+            self.spec = EngineSpec.build(
+                model.config, self.layout, self.sliding_ring, cfg.attention
+            )
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+        return kv_dtype
+
+    def _place(self, model: LoadedModel, cfg: EngineConfig, params: Any, kv_dtype: str) -> Any:
+        """Weights, then the pool, on the device (or split over the mesh);
+        returns the pool's sharding (None on one device)."""
+        pages = self.num_pages
         elements = self.layout.page_bytes // jnp.dtype(kv_dtype).itemsize
 
         def zero_pool() -> jax.Array:
             return jnp.zeros((pages, elements), jnp.dtype(kv_dtype))
 
         self.mesh = None
+        self._replicated = None
         if cfg.tensor_parallel > 1:
             from kvd.engine import sharding
 
@@ -337,7 +355,7 @@ class Engine:
             except sharding.ShardingError as exc:
                 raise EngineError(str(exc)) from None
             param_sharding = sharding.param_shardings(model.config, params, self.mesh)
-            everywhere = sharding.replicated(self.mesh)
+            self._replicated = sharding.replicated(self.mesh)
             self.params = jax.device_put(params, param_sharding)
             geometry = self.layout.geometry
             pool_shape, pool_sharding = sharding.pool_layout(
@@ -348,17 +366,22 @@ class Engine:
                 geometry.scale_bytes(geometry.kinds()[0]) // geometry.element_size,
             )
             self.pool = jax.device_put(zero_pool().reshape(pool_shape), pool_sharding)
-        elif cfg.scan_layers:
+            return pool_sharding
+        if cfg.scan_layers:
             self.params = jax.device_put(params)
             self.pool = zero_pool()
-        else:
-            # Placed array by array, each host array let go once its device
-            # copy exists: the weights are never held twice (on CPU a second
-            # gigabyte for the 270M in f32). Engines built later from this model
-            # share the device arrays.
-            self.params = _place_in_place(model.params)
-            # The pool after the weights: the peak holds one array twice, not the pool.
-            self.pool = zero_pool()
+            return None
+        # Placed array by array, each host array let go once its device
+        # copy exists: the weights are never held twice (on CPU a second
+        # gigabyte for the 270M in f32). Engines built later from this model
+        # share the device arrays.
+        self.params = _place_in_place(model.params)
+        # The pool after the weights: the peak holds one array twice, not the pool.
+        self.pool = zero_pool()
+        return None
+
+    def _choose_buckets(self, model: LoadedModel, cfg: EngineConfig) -> None:
+        """The shapes programs compile for, and the device buffers sized by them."""
         # Shapes: the body compiles per (tokens, block-table width); the head and
         # sampling per number of sequences, so a lone decode pays for one row of
         # logits, not for the widest batch.
@@ -368,23 +391,34 @@ class Engine:
         self.token_buckets = powers_of_two(1, max(2, cfg.max_num_batched_tokens))
         every_shape = (self.token_buckets[-1], model.config.hidden_size)
         self._every_hidden = jnp.zeros(every_shape, activation_dtype(self.params))
-        if self.mesh is not None:
-            self._every_hidden = jax.device_put(self._every_hidden, everywhere)
         self.seq_buckets = powers_of_two(1, cfg.max_num_seqs)
         # The last dispatched step's sampled tokens, on the device: the next
         # step reads a row's newest token there when the host has not yet.
         self._previous = jnp.zeros(cfg.max_num_seqs, jnp.int32)
-        if self.mesh is not None:
-            self._previous = jax.device_put(self._previous, everywhere)
+        if self._replicated is not None:
+            self._every_hidden = jax.device_put(self._every_hidden, self._replicated)
+            self._previous = jax.device_put(self._previous, self._replicated)
         # The reference attention's cost follows the live keys whatever the
         # tables' width, so it compiles one width (each program costs ~0.1 GB of
         # resident code on XLA:CPU); the kernel's grid walks the whole table, so
         # it gets narrower buckets. Every width holds a sliding ring: those
         # tables are its first entries.
+        max_blocks = self._max_blocks
         widths: tuple[int, ...] = (max_blocks,)
         if self.spec.attention != "reference":
             widths = (max_blocks // 16, max_blocks // 4, max_blocks)
         self.block_buckets = tuple(sorted({max(1, self.sliding_ring, b) for b in widths}))
+        # Swapping: pages gathered to the host and scattered back. Padding a copy
+        # costs little, so the page-count buckets grow by 4x (fewer programs).
+        # A sequence mid-prefill holds a chunk past its windows: the most it can hold.
+        most = max(16, self.layout.pages_for_tokens(cfg.max_model_len, cfg.max_num_batched_tokens))
+        self.page_buckets = tuple(
+            sorted({*(16 * 4**i for i in range(8) if 16 * 4**i < most), most})
+        )
+
+    def _jit_programs(self, cfg: EngineConfig, model: LoadedModel, pool_sharding: Any) -> None:
+        """The step's programs (body, head and sampling), prompt scoring and the
+        page copies, traced lazily and compiled per bucket."""
         # With tensor parallelism the programs are compiled for the mesh. Their
         # inputs carry their shardings (weights and pool are placed above, host
         # buffers are put replicated by ``_put``: jit does not take
@@ -393,9 +427,8 @@ class Engine:
         shardings: dict[str, Any] = {}
         head_shardings: dict[str, Any] = {}
         copy_shardings: dict[str, Any] = {}
-        self._replicated = None
-        if self.mesh is not None:
-            self._replicated = everywhere
+        everywhere = self._replicated
+        if everywhere is not None:
             shardings = {"out_shardings": (everywhere, everywhere, pool_sharding)}
             head_shardings = {"out_shardings": everywhere}
             copy_shardings = {"out_shardings": pool_sharding}
@@ -413,13 +446,6 @@ class Engine:
             static_argnames=("seqs",),
             **head_shardings,
         )
-        # Swapping: pages gathered to the host and scattered back. Padding a copy
-        # costs little, so the page-count buckets grow by 4x (fewer programs).
-        # A sequence mid-prefill holds a chunk past its windows: the most it can hold.
-        most = max(16, self.layout.pages_for_tokens(cfg.max_model_len, cfg.max_num_batched_tokens))
-        self.page_buckets = tuple(
-            sorted({*(16 * 4**i for i in range(8) if 16 * 4**i < most), most})
-        )
         self._score = jax.jit(partial(score_prompt, self.spec), **head_shardings)
         self._gather = jax.jit(lambda pool, pages: pool[pages])
         self._scatter = jax.jit(
@@ -427,6 +453,8 @@ class Engine:
             donate_argnums=(0,),
             **copy_shardings,
         )
+
+    def _start_counters(self, cfg: EngineConfig) -> None:
         # Compiled executables by shape key; warm-up fills them ahead of time.
         self._programs: dict[tuple[str, int, int], Any] = {}
         self.late_compiles = 0  # programs compiled after warm_up(): a bucketing bug
@@ -437,13 +465,12 @@ class Engine:
         self.decode_tokens = 0
         self.decode_seconds = 0.0
         self._warm = False
-        self._max_blocks = max_blocks
         self._rows = self._new_rows()
         self._minus_ones: dict[tuple[int, ...], Any] = {}  # by shape (``_constant``)
         self.mask_words = mask_words(self.vocab_size)
         self._table_edits: list[tuple[int, int, int, int]] = []
         self.kv: KVManager | None = None  # whose tables the steps read (``bind``)
-        self.limits = ExecutorLimits(
+        self.limits = ExecutorSizes(
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,

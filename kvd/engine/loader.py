@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.engine.config import ConfigError, ModelConfig
+from kvd.engine.config import ModelConfig, ModelConfigError
 from kvd.engine.gguf import GGUFError, GGUFFile
 from kvd.engine.tokenizer import Tokenizer, TokenizerError
 from kvd.engine.weights import (
@@ -215,7 +215,7 @@ def load_model(model: str, dtype: str = "float32", quantization: str = "none") -
             quantization = "none" if quantization == "auto" else quantization  # not exact there
             config, params = load_hf_directory(path, np_dtype, quantization, errors)
             tokenizer = _directory_tokenizer(path)
-    except (GGUFError, WeightsError, ConfigError, TokenizerError) as exc:
+    except (GGUFError, WeightsError, ModelConfigError, TokenizerError) as exc:
         raise ModelLoadError(str(exc)) from None
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(

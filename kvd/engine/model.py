@@ -61,14 +61,20 @@ class EngineSpec(msgspec.Struct, frozen=True):
     sliding_ring: int = 0
 
     @classmethod
-    def build(cls, config: ModelConfig, layout: PageLayout, sliding_ring: int = 0) -> EngineSpec:
+    def build(
+        cls,
+        config: ModelConfig,
+        layout: PageLayout,
+        sliding_ring: int = 0,
+        attention: str = "auto",
+    ) -> EngineSpec:
         places = tuple(layout.group_of_layer(i) for i in range(config.num_layers))
         return cls(
             config,
             layout.block_size,
             places,
             tuple(g.places for g in layout.groups),
-            resolve_attention(),
+            resolve_attention(attention),
             sliding_ring,
         )
 

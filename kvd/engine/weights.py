@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.engine.config import ConfigError, ModelConfig, from_hf_config
+from kvd.engine.config import ModelConfig, ModelConfigError, from_hf_config
 from kvd.engine.gguf import GGUFError, GGUFFile
 from kvd.engine.wquant import (
     HF_BLOCK,
@@ -363,7 +363,7 @@ def config_from_gguf(gguf: GGUFFile, name: str) -> ModelConfig:
     meta = gguf.metadata
     arch = meta.get("general.architecture")
     if arch != "gemma3":
-        raise ConfigError(f"{gguf.path}: architecture {arch!r} is not supported (gemma3 is)")
+        raise ModelConfigError(f"{gguf.path}: architecture {arch!r} is not supported (gemma3 is)")
     try:
         layers = int(meta["gemma3.block_count"])
         head_dim = int(meta["gemma3.attention.key_length"])
@@ -389,7 +389,7 @@ def config_from_gguf(gguf: GGUFFile, name: str) -> ModelConfig:
             pad_id=int(meta.get("tokenizer.ggml.padding_token_id", 0)),
         )
     except KeyError as exc:
-        raise ConfigError(f"{gguf.path}: metadata lacks {exc.args[0]!r}") from None
+        raise ModelConfigError(f"{gguf.path}: metadata lacks {exc.args[0]!r}") from None
 
 
 def params_from_gguf(

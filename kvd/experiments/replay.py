@@ -24,7 +24,7 @@ from kvd.kv.layout import PageLayout, build_layout
 from kvd.kv.ledger import BudgetMode
 from kvd.kv.scope import PublicPrefixes, SharingPolicy, chain_hashes, resolve_scope
 from kvd.sched.costmodel import Rates
-from kvd.sched.executor import ExecutorLimits
+from kvd.sched.executor import ExecutorSizes
 from kvd.sched.requests import Rejection
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler
@@ -136,7 +136,7 @@ def build_scheduler(
     layout = build_layout(settings.geometry, settings.block_size)
     pages = layout.pool_tokens(settings.pool_bytes) // settings.block_size * layout.num_groups
     buckets = tuple(2**i for i in range(1, 20) if 2**i <= settings.max_num_batched_tokens)
-    limits = ExecutorLimits(
+    limits = ExecutorSizes(
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -202,16 +202,15 @@ def replay(
                 )
             except Rejection as exc:
                 record.rejected = exc.code  # the session ends here, as a client would give up
-        events = scheduler.step()
+        result = scheduler.step()
         now += scheduler.last_step_predicted_s or settings.step_fixed_s
         out.steps = scheduler.steps
-        for rid, _tenant, _queue, cached in scheduler.book.start_log:
-            record = records[rid]
+        for started in result.started:
+            record = records[started.request_id]
             if record.start_step < 0:
                 record.start_step = scheduler.steps
-                record.cached_tokens = cached
-        scheduler.book.start_log.clear()
-        for event in events:
+                record.cached_tokens = started.cached_tokens
+        for event in result.events:
             record = records[event.request_id]
             if event.token is not None:
                 outputs.setdefault(event.request_id, []).append(event.token)

@@ -1,7 +1,7 @@
-"""Per-sequence counters as columns: one int64 matrix, a row per field and a
+"""Per-sequence fields as columns: one int64 matrix, a row per field and a
 column (a slot) per live sequence.
 
-Every engine step reads and advances a few counters of every running
+Every engine step reads and advances a few fields of every running
 sequence. As attributes of hundreds of Python objects, each pass over them is
 a Python loop; as columns, the KV manager, the engine and the scheduler handle
 a whole step with a few numpy operations, one gather fetching every counter of
@@ -70,7 +70,7 @@ class SequenceColumns:
         self.cells[field * self.capacity + slot] = value
 
     def take(self, owner: object) -> int:
-        """A slot for a new sequence, its counters zero."""
+        """A slot for a new sequence, its fields zero."""
         if not self._free:
             self._grow(self.capacity * 2)
         slot = self._free.pop()
@@ -97,7 +97,7 @@ class SequenceColumns:
 
 
 class DetachedColumns(SequenceColumns):
-    """A finished sequence's own single slot: its final counters stay readable
+    """A finished sequence's own single slot: its final fields stay readable
     after its slot in the manager's columns goes to another sequence."""
 
     def __init__(self, source: SequenceColumns, slot: int, owner: object) -> None:
@@ -107,7 +107,7 @@ class DetachedColumns(SequenceColumns):
 
 
 class StepColumns:
-    """The counters of one step's sequences, gathered once from the columns
+    """The fields of one step's sequences, gathered once from the columns
     (``matrix[field, row]``, a row per sequence of the step), read by name:
     what code outside the KV manager sees of its columns."""
 
@@ -120,7 +120,7 @@ class StepColumns:
         return int(self.matrix.shape[1])
 
     def rows(self, which: Any) -> StepColumns:
-        """The same counters for some of the step's sequences (an index or mask)."""
+        """The same fields for some of the step's sequences (an index or mask)."""
         return StepColumns(self.matrix[:, which])
 
     @property

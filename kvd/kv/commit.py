@@ -63,7 +63,7 @@ class Committer:
         """``commit`` for a whole step: ``counts[i]`` tokens of ``seqs[i]``
         (``slots``: their ``slots_of``, if the caller has it from this step).
 
-        The counters move as arrays; only the sequences that fill a block or
+        The column fields move as arrays; only the sequences that fill a block or
         move their window past one do Python work. All or nothing: a bad entry
         raises before anything changes.
         """

@@ -13,8 +13,9 @@ It is sans-IO and synchronous. The scheduler drives it per step::
     kv.finish(seq)                            # pages back to the pool
 
 A prefix hit stays valid until a cached block leaves the device or the host
-cache, or the host cache hands one back (``cache_epoch()`` moves) or the sharing configuration
-changes (``generation`` moves: a policy switch or a public-prefix change), so
+cache, or the host cache hands one back (the registry's ``cache_epoch()``
+moves) or the sharing configuration changes (``generation`` moves: a policy
+switch or a public-prefix change), so
 lookup, check and allocate belong in one scheduling decision; ``allocate``
 refuses a stale hit (``hit_is_current``).
 
@@ -99,7 +100,6 @@ class KVManager:
         self.drop_pending = registry.drop_pending
         self.slots_of = registry.slots_of
         self.fits = registry.fits
-        self.cache_epoch = registry.cache_epoch
         self.hit_is_current = registry.hit_is_current
         self.log_table_edits = registry.log_table_edits
         self.lookup = prefix.lookup
@@ -120,7 +120,6 @@ class KVManager:
         self.abort_swap_out = swapper.abort_swap_out
         self.finish_swap_out = swapper.finish_swap_out
         self.swap_in_demand = swapper.swap_in_demand
-        self.can_swap_in = swapper.can_swap_in
         self.swap_in = swapper.swap_in
 
     @property
@@ -133,7 +132,7 @@ class KVManager:
         return self.registry.columns.capacity
 
     def step_columns(self, slots: np.ndarray[Any, Any]) -> StepColumns:
-        """The counters of the sequences at ``slots`` (``slots_of``), gathered once."""
+        """The column fields of the sequences at ``slots`` (``slots_of``), gathered once."""
         return StepColumns(self.registry.columns.matrix[:, slots])
 
     def live_sequences(self) -> list[Sequence]:

@@ -52,7 +52,7 @@ class Sequence:
     entries: groups allocate in lock-step. ``hashes[b]`` is the chained hash of
     full block ``b``, filled as blocks fill.
 
-    The counters a step advances live in the manager's ``SequenceColumns``, in
+    The fields a step advances live in the manager's ``SequenceColumns``, in
     this sequence's ``slot`` (kvd/kv/columns.py); they read as attributes.
     """
 
@@ -141,7 +141,7 @@ class Sequence:
 
     def detach(self) -> None:
         """Leave the manager's columns (the sequence is finished): keep the final
-        counters in a slot of its own, and give the shared slot back."""
+        fields in a slot of its own, and give the shared slot back."""
         shared, slot = self._columns, self.slot
         self._columns, self.slot = DetachedColumns(shared, slot, self), 0
         shared.release(slot)

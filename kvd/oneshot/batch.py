@@ -69,7 +69,7 @@ class BatchGenerator:
         results = {i: Generation(list(prompt)) for i, prompt in zip(ids, prompts, strict=True)}
         start = time.perf_counter()
         while scheduler.has_work():
-            events = scheduler.step()
+            events = scheduler.step().events
             if not events and scheduler.stalled:
                 raise GenerationError("the KV pool is too small for these prompts")
             for event in events:

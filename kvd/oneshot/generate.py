@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from kvd.engine import compile_cache
 from kvd.engine.engine import Engine, EngineConfig, EngineError
 from kvd.engine.loader import ModelLoadError, load_model
 from kvd.engine.tokenizer import ChatMessage, TokenizerError
@@ -78,6 +79,7 @@ def generate_once(
     )
     say(f"loaded in {loaded.load_seconds:.1f}s; compiling and running")
     try:
+        compile_cache.enable_default()
         engine = Engine(loaded, config)
         params = SamplingParams(
             temperature=temperature,

@@ -14,11 +14,11 @@ import msgspec
 from kvd.kv.manager import KVManager
 from kvd.sched.book import RequestBook
 from kvd.sched.constraint import Constraint
-from kvd.sched.executor import ExecutorLimits
+from kvd.sched.executor import ExecutorSizes
 from kvd.sched.ratelimit import RateLimited
 from kvd.sched.requests import Rejection, Request
 from kvd.sched.sampling_params import SamplingParams
-from kvd.sched.settings import SchedulerConfig
+from kvd.sched.settings import SchedulerConfig, TenantConfig
 from kvd.sched.stopping import StopCondition
 
 
@@ -63,7 +63,7 @@ class Admission:
         book: RequestBook,
         kv: KVManager,
         config: SchedulerConfig,
-        limits: ExecutorLimits,
+        limits: ExecutorSizes,
     ) -> None:
         self.book = book
         self.kv = kv
@@ -95,6 +95,55 @@ class Admission:
         rule, modulo 2**32). ``constraint``: the grammar every choice's output
         follows (each gets its own copy); ``stop``: the watch on its stop
         strings (likewise). Returns the first choice's request."""
+        config = self._check_request(request_id, tenant, params, n, stop)
+        max_length = self._max_length(tenant, prompt, params)
+        tier_index = self._tier(config, tier)
+        self._check_queue(tenant, config)
+        now = self.book.clock()
+        # The prompt once, each choice's completion.
+        self._charge(tenant, max_length + (n - 1) * (max_length - len(prompt)), now)
+        choices = [
+            Request(
+                request_id=choice_id(request_id, choice, n),
+                reply_id=request_id,
+                choice=choice,
+                tenant=tenant,
+                max_length=max_length,
+                prompt_len=len(prompt),
+                params=_choice_params(params, choice),
+                prompt=list(prompt),
+                tier=tier_index,
+                arrival=now,
+                deadline=None if deadline_s is None else now + deadline_s,
+                cache_salt=cache_salt,
+                order_key=(tier_index, now, next(self.book.serials)),
+                arrival_step=self.book.steps,
+                # Each choice follows its own copy of the grammar and the stop watch.
+                constraint=None
+                if constraint is None
+                else constraint.fork()
+                if choice
+                else constraint,
+                stop=None if stop is None else stop.fork() if choice else stop,
+            )
+            for choice in range(n)
+        ]
+        first = choices[0]
+        first.other_choices = choices[1:]
+        for other in first.other_choices:
+            other.first_choice = first
+        self.book.enqueue(first, choices)
+        return first
+
+    def _check_request(
+        self,
+        request_id: str,
+        tenant: str,
+        params: SamplingParams,
+        n: int,
+        stop: StopCondition | None,
+    ) -> TenantConfig:
+        """Who asks, and whether the request can be told apart and watched."""
         config = self.book.tenants.get(tenant)
         if config is None:
             raise Rejection(401, "unknown_tenant", f"unknown tenant {tenant!r}")
@@ -108,14 +157,18 @@ class Admission:
             )
         if request_id in self.book.requests or request_id in self.book.choices:
             raise Rejection(400, "duplicate_id", f"request {request_id!r} already exists")
+        return config
+
+    def _max_length(self, tenant: str, prompt: list[int], params: SamplingParams) -> int:
+        """The request's most tokens, if the model and the tenant's pages allow them."""
         limit = self.limits.max_model_len
         problem = prompt_problem(prompt, self.limits.vocab_size, limit)
         if problem is not None:
             raise problem
-        stop_length = total_tokens(len(prompt), params.max_tokens, limit)
+        max_length = total_tokens(len(prompt), params.max_tokens, limit)
         # Chunks shrink to the pages a tenant may take, so what a request needs
         # is what it holds computed a block at a time.
-        pages = self.kv.layout.pages_for_tokens(stop_length)
+        pages = self.kv.layout.pages_for_tokens(max_length)
         most, limited_by = self.kv.most_pages(tenant)
         if pages > most:
             raise Rejection(
@@ -124,21 +177,25 @@ class Admission:
                 f"prompt plus max_tokens need {pages} KV pages; {limited_by} allows "
                 f"{most}: lower max_tokens or shorten the prompt",
             )
+        return max_length
+
+    def _tier(self, config: TenantConfig, tier: str | None) -> int:
         tier_name = tier or config.tier
         if tier_name not in self.config.tiers:
             raise Rejection(400, "bad_tier", f"unknown priority tier {tier_name!r}")
-        queue = self.book.queues[tenant]
+        return self.config.tiers.index(tier_name)
+
+    def _check_queue(self, tenant: str, config: TenantConfig) -> None:
         # A request's choices count as one queued request (they start together).
-        if len({r.reply_id for r in queue}) >= config.max_queue:
+        if len({r.reply_id for r in self.book.queues[tenant]}) >= config.max_queue:
             raise Rejection(
                 429, "queue_full", f"tenant queue is full ({config.max_queue} waiting)", 1.0
             )
-        now = self.book.clock()
+
+    def _charge(self, tenant: str, tokens: int, now: float) -> None:
+        """Charge ``tokens`` to the tenant's rate limits, or refuse the request."""
         try:
-            # The prompt once, each choice's completion.
-            self.book.limiters[tenant].admit(
-                stop_length + (n - 1) * (stop_length - len(prompt)), now
-            )
+            self.book.limiters[tenant].admit(tokens, now)
         except RateLimited as exc:
             if exc.retry_after is None:  # larger than a whole minute's allowance
                 raise Rejection(
@@ -146,39 +203,10 @@ class Admission:
                 ) from None
             self.book.rate_limited(tenant)
             raise Rejection(429, "rate_limited", str(exc), exc.retry_after) from None
-        tier_index = self.config.tiers.index(tier_name)
-        choices = []
-        for choice in range(n):
-            own = params
-            if choice and params.seed is not None:
-                own = msgspec.structs.replace(params, seed=(params.seed + choice) % 2**32)
-            choices.append(
-                Request(
-                    request_id=choice_id(request_id, choice, n),
-                    reply_id=request_id,
-                    choice=choice,
-                    tenant=tenant,
-                    stop_length=stop_length,
-                    prompt_len=len(prompt),
-                    params=own,
-                    prompt=list(prompt),
-                    tier=tier_index,
-                    arrival=now,
-                    deadline=None if deadline_s is None else now + deadline_s,
-                    cache_salt=cache_salt,
-                    order_key=(tier_index, now, next(self.book.serials)),
-                    arrival_step=self.book.steps,
-                    constraint=None
-                    if constraint is None
-                    else constraint.fork()
-                    if choice
-                    else constraint,
-                    stop=None if stop is None else stop.fork() if choice else stop,
-                )
-            )
-        lead = choices[0]
-        lead.forks = choices[1:]
-        for fork in lead.forks:
-            fork.lead = lead
-        self.book.enqueue(lead, choices)
-        return lead
+
+
+def _choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """Seeded, choice i samples with seed + i (vLLM's rule, modulo 2**32)."""
+    if choice and params.seed is not None:
+        return msgspec.structs.replace(params, seed=(params.seed + choice) % 2**32)
+    return params

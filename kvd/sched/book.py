@@ -23,7 +23,8 @@ from kvd.kv.manager import KVManager
 from kvd.kv.sequence import Residency
 from kvd.sched.fairshare import VirtualCounters
 from kvd.sched.ratelimit import TenantLimiter
-from kvd.sched.requests import Request, RequestPhase, RunningOrder
+from kvd.sched.requests import Request, RequestPhase, RunningOrder, StepEvent
+from kvd.sched.results import CopyFailed, Failed, Preempted, Started, StepResult
 from kvd.sched.settings import TenantConfig
 from kvd.sched.stats import TenantStats
 from kvd.sched.swapspace import SwapSpace
@@ -51,17 +52,9 @@ class RequestBook:
         self.serials = itertools.count()  # arrival order among equal clocks
         self.steps = 0
         self.preemptions = 0
-        # Preemptions as they happen, (request id, tenant, kind), for the
-        # daemon's logs; bounded, so a caller that never reads costs nothing.
-        self.preemption_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
-        # Requests as they start, (request id, tenant, queue steps, cached tokens),
-        # for the daemon's logs; bounded likewise.
-        self.start_log: deque[tuple[str, str, int, int]] = deque(maxlen=4096)
-        # Requests failed alone by a fault of their own, (request id, tenant,
-        # cause), for the daemon's logs; and copies that failed and were
-        # recovered from, (what, cause).
-        self.fault_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
-        self.copy_failures: deque[tuple[str, str]] = deque(maxlen=4096)
+        # Starts, preemptions and failures since the last step's result
+        # (``take_result`` hands them over with the step's events).
+        self.result = StepResult()
 
     def set_tenant(self, tenant: TenantConfig) -> None:
         """Add ``tenant`` or change its settings; a change of its rate limits
@@ -88,13 +81,13 @@ class RequestBook:
     # -- a request's way through the tables: each change is one method here,
     # so the parts change the book only through them.
 
-    def enqueue(self, lead: Request, choices: list[Request]) -> None:
-        """Queue a new request's choices (``lead`` first among them); a tenant
+    def enqueue(self, first: Request, choices: list[Request]) -> None:
+        """Queue a new request's choices (``first`` first among them); a tenant
         that had nothing to do becomes active in the fair-share counters."""
-        tenant = lead.tenant
+        tenant = first.tenant
         queue = self.queues[tenant]
         if len(choices) > 1:
-            self.choices[lead.reply_id] = lead
+            self.choices[first.reply_id] = first
         if not queue and not self.backlogged(tenant):
             self.counters.activate(tenant, self.active_tenants())
         for request in choices:
@@ -123,7 +116,9 @@ class RequestBook:
         ``prompt``: count its prompt in its tenant's figures (once per request
         of several choices)."""
         queue_steps = request.queue_steps or 0
-        self.start_log.append((request.request_id, request.tenant, queue_steps, cached_tokens))
+        self.result.started.append(
+            Started(request.request_id, request.tenant, queue_steps, cached_tokens)
+        )
         if prompt:
             stats = self.tenant_stats[request.tenant]
             stats.prompt_tokens += len(request.prompt)
@@ -134,12 +129,12 @@ class RequestBook:
         self.remove_running(request)
         request.preemptions += 1
         self.preemptions += 1
-        self.preemption_log.append((request.request_id, request.tenant, kind))
+        self.result.preempted.append(Preempted(request.request_id, request.tenant, kind))
 
     def swap_failed(self, request: Request, kind: str, cause: str) -> None:
         """The copy of ``request``'s pages out failed: it goes as ``kind`` instead."""
-        self.copy_failures.append(("swap_out", cause))
-        self.preemption_log[-1] = (request.request_id, request.tenant, kind)
+        self.result.copy_failed.append(CopyFailed("swap_out", cause))
+        self.result.preempted[-1] = Preempted(request.request_id, request.tenant, kind)
 
     def swapped_out(
         self, request: Request, blocks: list[tuple[int, int]], data: np.ndarray[Any, Any]
@@ -173,10 +168,16 @@ class RequestBook:
         self.tenant_stats[request.tenant].preempted_recompute += 1
 
     def log_fault(self, request: Request, cause: str) -> None:
-        self.fault_log.append((request.request_id, request.tenant, cause))
+        self.result.failed.append(Failed(request.request_id, request.tenant, cause))
 
-    def log_copy_failure(self, what: str, cause: str) -> None:
-        self.copy_failures.append((what, cause))
+    def log_copy_failure(self, kind: str, cause: str) -> None:
+        self.result.copy_failed.append(CopyFailed(kind, cause))
+
+    def take_result(self, events: list[StepEvent]) -> StepResult:
+        """A step's result: ``events`` with what was logged since the last one."""
+        result, self.result = self.result, StepResult()
+        result.events = events
+        return result
 
     def next_step(self) -> int:
         self.steps += 1
@@ -214,10 +215,10 @@ class RequestBook:
             self.kv.drop_pending(seq)  # tokens after its end: never recorded
         limiter = self.limiters.get(request.tenant)
         if limiter is not None:
-            # A fork was charged for its completion alone (its lead, the prompt).
+            # Another choice was charged for its completion alone (the first, the prompt).
             shared = request.shared_prompt
             used = 0 if request.started_at is None or seq is None else len(seq.tokens) - shared
-            limiter.refund(request.stop_length - shared - used, self.clock())
+            limiter.refund(request.max_length - shared - used, self.clock())
         if seq is not None and seq.residency is not Residency.RELEASED:
             self.kv.finish(seq)
         if request.phase is RequestPhase.RUNNING:
@@ -235,6 +236,8 @@ class RequestBook:
         del self.requests[request.request_id]
         self.stopping.discard(request)
         self.with_stop_ids.discard(request)
-        lead = request.lead or request
-        if lead.forks and all(r.phase is RequestPhase.FINISHED for r in (lead, *lead.forks)):
-            del self.choices[lead.reply_id]
+        first = request.first_choice or request
+        if first.other_choices and all(
+            r.phase is RequestPhase.FINISHED for r in (first, *first.other_choices)
+        ):
+            del self.choices[first.reply_id]

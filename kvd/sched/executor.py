@@ -32,7 +32,7 @@ class SequenceFault(Exception):
         self.index, self.cause = index, cause
 
 
-class ExecutorLimits(msgspec.Struct, frozen=True):
+class ExecutorSizes(msgspec.Struct, frozen=True):
     """The shapes an executor can run: the scheduler plans within them."""
 
     max_model_len: int  # a sequence's whole context, prompt and output
@@ -87,7 +87,7 @@ class PendingStep(Protocol):
 class Executor(Protocol):
     layout: PageLayout  # the pool's pages: one size, grouped by attention kind
     num_pages: int  # pages in the pool, the null page included
-    limits: ExecutorLimits
+    limits: ExecutorSizes
     stop_ids: frozenset[int]  # tokens that end every generation (EOS, end of turn)
 
     def bind(self, kv: KVManager) -> None:

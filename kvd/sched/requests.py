@@ -42,7 +42,7 @@ class Request:
     phase: RequestPhase = RequestPhase.WAITING
     request_id: str
     tenant: str
-    stop_length: int  # prompt + max_tokens, or the context: the sequence ends at this length
+    max_length: int  # prompt + max_tokens, or the context: the sequence ends at this length
     prompt_len: int
     params: SamplingParams
     prompt: list[int]
@@ -60,12 +60,12 @@ class Request:
     arrival_step: int = 0  # the scheduler's step count when it was queued
     queue_steps: int | None = None  # steps between arrival and start
     # n > 1: one request per choice. The first (``choice`` 0) prefills the
-    # prompt; the others (its ``forks``) start once it has, sharing its full
+    # prompt; the others (its ``other_choices``) start once it has, sharing its full
     # blocks through the prefix cache. Events carry the client's id.
     reply_id: str  # the client's request id (events carry it)
     choice: int = 0
-    lead: Request | None = None  # the first choice, for a fork
-    forks: list[Request] = field(default_factory=list)  # the other choices, for the first
+    first_choice: Request | None = None  # for the other choices: the first
+    other_choices: list[Request] = field(default_factory=list)  # for the first choice
     # Structured output: the grammar the output follows (each choice its own copy).
     constraint: Constraint | None = None
     # Stop strings: watched in the output as each token is recorded (each
@@ -83,14 +83,14 @@ class Request:
         prompt then runs whole, not from the prefix cache."""
         return (
             self.params.prompt_logprobs is not None
-            and self.lead is None
+            and self.first_choice is None
             and not self.prompt_scores_sent
         )
 
     @property
     def shared_prompt(self) -> int:
-        """Prompt tokens another choice of the request pays for (its lead's)."""
-        return self.prompt_len if self.lead is not None else 0
+        """Prompt tokens another choice of the request pays for (its first's)."""
+        return self.prompt_len if self.first_choice is not None else 0
 
     @property
     def output(self) -> list[int]:
@@ -200,7 +200,7 @@ class SlotInfo:
     request objects."""
 
     def __init__(self) -> None:
-        self.stop_length = np.zeros(0, np.int64)  # the sequence ends at this length
+        self.max_length = np.zeros(0, np.int64)  # the sequence ends at this length
         self.tenant = np.zeros(0, np.int64)  # index into Scheduler.tenant_names
         self.ignore_eos = np.zeros(0, np.bool_)  # the model's end tokens do not end it
         # The request's own stop_token_ids, -1 padded: sampling one ends it.
@@ -214,7 +214,7 @@ class SlotInfo:
         self,
         slot: int,
         capacity: int,
-        stop_length: int,
+        max_length: int,
         tenant: int,
         ignore_eos: bool,
         stop_ids: tuple[int, ...] | list[int] = (),
@@ -222,9 +222,9 @@ class SlotInfo:
         waits: bool = False,
     ) -> None:
         """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
-        if len(self.stop_length) < capacity:
+        if len(self.max_length) < capacity:
             self._grow(capacity)
-        self.stop_length[slot] = stop_length
+        self.max_length[slot] = max_length
         self.tenant[slot] = tenant
         self.ignore_eos[slot] = ignore_eos
         self.stop_ids[slot] = -1
@@ -232,9 +232,9 @@ class SlotInfo:
         self.waits[slot] = waits
 
     def _grow(self, capacity: int) -> None:
-        old = len(self.stop_length)
+        old = len(self.max_length)
         columns = (
-            ("stop_length", 0),
+            ("max_length", 0),
             ("tenant", 0),
             ("ignore_eos", 0),
             ("stop_ids", -1),

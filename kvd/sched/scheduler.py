@@ -52,6 +52,7 @@ from kvd.sched.requests import (
     StepEvent,
     StepWork,
 )
+from kvd.sched.results import StepResult
 from kvd.sched.settings import SchedulerConfig, TenantConfig
 from kvd.sched.stats import SchedulerStats, TenantStats
 from kvd.sched.stepplan import StepPlan
@@ -218,10 +219,10 @@ class Scheduler:
     def cancel(self, request_id: str, choice: int | None = None) -> bool:
         """Stop a request (all its choices, or the one ``choice``) now and free
         its pages; False if it is unknown or done."""
-        lead = self.book.requests.get(request_id) or self.book.choices.get(request_id)
-        if lead is None:
+        first = self.book.requests.get(request_id) or self.book.choices.get(request_id)
+        if first is None:
             return False
-        group = [lead, *lead.forks]
+        group = [first, *first.other_choices]
         targets = group if choice is None else [r for r in group if r.choice == choice]
         live = [r for r in targets if r.phase is not RequestPhase.FINISHED]
         for request in live:
@@ -237,10 +238,11 @@ class Scheduler:
             or self._settled
         )
 
-    def step(self) -> list[StepEvent]:
+    def step(self) -> StepResult:
         """Plan a step and dispatch it; return the events of the step read
         now: this one (serial), or the one dispatched before it (overlapped,
-        whose tokens the device computed while this one was planned)."""
+        whose tokens the device computed while this one was planned), with
+        the starts, preemptions and failures since the last step."""
         events, self._settled = self._settled, []
         now = self.clock()
         self.book.next_step()
@@ -275,11 +277,11 @@ class Scheduler:
         if not self.config.overlap:
             if launched is not None:
                 self._record(launched, events)
-            return events
+            return self.book.take_result(events)
         self._in_flight = launched
         if in_flight is not None:
             self._record(in_flight, events)
-        return events
+        return self.book.take_result(events)
 
     def settle(self) -> None:
         """Read the step in flight, if any (its events come with the next
@@ -307,7 +309,7 @@ class Scheduler:
         failed, and nothing ran."""
         kv = self.kv
         requests, counts = work.requests, work.counts
-        before = kv.step_columns(slots)  # the step's counters, gathered once
+        before = kv.step_columns(slots)  # the step's column fields, gathered once
         self.sync_host_cache()
         masks = self._constraint_masks(requests, counts, before)
         sources = None
@@ -393,7 +395,7 @@ class Scheduler:
             # the host (a grammar's mask, a penalty's history).
             info = self._slot_info
             hold = (before.pending > 0) & (
-                info.waits[slots] | (before.length >= info.stop_length[slots])
+                info.waits[slots] | (before.length >= info.max_length[slots])
             )
             if hold.any():
                 run = np.flatnonzero(~hold)
@@ -502,11 +504,11 @@ class Scheduler:
         """Start a waiting request (the head of its tenant's queue): True if it
         runs in this step, False if it must wait, None if the step has no room."""
         kv = self.kv
-        lead = request.lead
-        if lead is not None and lead.phase is not RequestPhase.FINISHED:
-            computed = lead.seq.num_computed if lead.seq is not None else 0
-            if computed < lead.prompt_len:
-                return False  # a fork starts from its lead's computed prompt
+        first = request.first_choice
+        if first is not None and first.phase is not RequestPhase.FINISHED:
+            computed = first.seq.num_computed if first.seq is not None else 0
+            if computed < first.prompt_len:
+                return False  # another choice starts from the first's computed prompt
         if request.seq is None:
             request.seq = kv.add_sequence(
                 next(self._seq_ids),
@@ -518,7 +520,7 @@ class Scheduler:
             self._slot_info.start(
                 request.seq.slot,
                 kv.slot_capacity,
-                request.stop_length,
+                request.max_length,
                 self.book.tenant_index[request.tenant],
                 request.params.ignore_eos,
                 request.params.stop_token_ids,
@@ -542,12 +544,12 @@ class Scheduler:
             request.cached_tokens = hit.num_tokens
             request.queue_steps = self.steps - 1 - request.arrival_step
             # A request's prompt counts once for all its choices.
-            self.book.log_start(request, hit.num_tokens, prompt=lead is None)
-            if lead is None:
-                for fork in request.forks:
-                    fork.deadline = None  # the request has started
+            self.book.log_start(request, hit.num_tokens, prompt=first is None)
+            if first is None:
+                for other in request.other_choices:
+                    other.deadline = None  # the request has started
                 self._count_prefix_hit(hit)
-        if not request.charged_input and lead is None:
+        if not request.charged_input and first is None:
             self.book.counters.charge(request.tenant, input_tokens=len(request.prompt))
             request.charged_input = True
         if hit.reloads and self.rates is not None:
@@ -608,9 +610,9 @@ class Scheduler:
                 running=sum(1 for r in self.book.running.values() if r.tenant == name),
                 waiting=len(self.book.queues[name]),
                 swapped=sum(1 for r in self.book.swapped.values() if r.tenant == name),
-                pages_used=pages.charged_pages if pages else 0,
-                pages_reserved=pages.reserved_pages if pages else 0,
-                pages_cap=pages.cap_pages if pages else None,
+                charged_pages=pages.charged_pages if pages else 0,
+                reserved_pages=pages.reserved_pages if pages else 0,
+                cap_pages=pages.cap_pages if pages else None,
                 surplus_pages=pages.surplus_pages if pages else 0,
                 host_swap_pages=self.swap_space.used.get(name, 0),
                 host_cached_pages=pages.host_cached_pages if pages else 0,

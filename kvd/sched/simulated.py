@@ -30,7 +30,7 @@ from kvd.kv.manager import KVManager, StepColumns
 from kvd.kv.sequence import Sequence
 from kvd.sched.constraint import allowed_tokens
 from kvd.sched.executor import (
-    ExecutorLimits,
+    ExecutorSizes,
     ParamsLookup,
     PromptScores,
     SequenceFault,
@@ -84,11 +84,11 @@ def masked_token(
 
 
 def expected_output(
-    prompt: list[int], params: SamplingParams, limits: ExecutorLimits, stop_ids: frozenset[int]
+    prompt: list[int], params: SamplingParams, limits: ExecutorSizes, stop_ids: frozenset[int]
 ) -> tuple[list[int], str]:
     """What a request must produce, computed without any KV: (tokens, finish reason)."""
     tokens = list(prompt)
-    stop_length = len(prompt) + min(params.max_tokens, limits.max_model_len - len(prompt))
+    max_length = len(prompt) + min(params.max_tokens, limits.max_model_len - len(prompt))
     ends = stop_ids | frozenset(params.stop_token_ids)
     enders = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else stop_ids)
     out: list[int] = []
@@ -99,7 +99,7 @@ def expected_output(
         tokens.append(token)
         if token in enders:
             return out, "stop"
-        if len(tokens) >= stop_length:
+        if len(tokens) >= max_length:
             return out, "length"
 
 
@@ -118,7 +118,7 @@ class SimulatedExecutor:
         self,
         layout: PageLayout,
         num_pages: int,
-        limits: ExecutorLimits,
+        limits: ExecutorSizes,
         stop_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.layout = layout

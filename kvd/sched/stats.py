@@ -13,9 +13,9 @@ class TenantStats(msgspec.Struct):
     running: int = 0  # requests computing now
     waiting: int = 0  # requests queued, not yet admitted to the pool
     swapped: int = 0  # requests preempted to host memory
-    pages_used: int = 0  # device pages charged to the tenant now
-    pages_reserved: int = 0  # its reservation
-    pages_cap: int | None = None  # its burst cap (None: none)
+    charged_pages: int = 0  # device pages charged to the tenant now
+    reserved_pages: int = 0  # its reservation
+    cap_pages: int | None = None  # its burst cap (None: none)
     surplus_pages: int = 0  # charged pages above its guarantee: reclaimable
     host_swap_pages: int = 0  # host pages its swapped-out sequences hold
     host_cached_pages: int = 0  # host-cache pages its cached blocks hold

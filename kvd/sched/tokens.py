@@ -79,7 +79,7 @@ def outcome(
     by_stop = is_stop[tokens] & ~info.ignore_eos[slots]
     if stop_ids:
         by_stop |= (info.stop_ids[slots] == tokens[:, None]).any(axis=1)
-    finished = by_stop | (length >= info.stop_length[slots] - 1)  # with this token
+    finished = by_stop | (length >= info.max_length[slots] - 1)  # with this token
     return Outcome(keep, slots, length, tokens, logprobs, finished, by_stop)
 
 

@@ -173,7 +173,7 @@ class Admin:
             "pool": {
                 "pages": kv_stats.capacity_pages,
                 "page_bytes": kv_stats.page_bytes,
-                "used": kv_stats.referenced_pages,
+                "referenced": kv_stats.referenced_pages,
                 "cached": kv_stats.cached_pages,
                 "free": kv_stats.free_pages,
                 "reserved": kv_stats.reserved_pages,
@@ -232,7 +232,7 @@ class Admin:
                     "burst_cap": entry.burst_cap,
                     "reservation_pages": config.reservation_pages,
                     "cap_pages": config.cap_pages,
-                    "used_pages": tenant.pages_used,
+                    "charged_pages": tenant.charged_pages,
                     "surplus_pages": tenant.surplus_pages,
                     "running": tenant.running,
                     "waiting": tenant.waiting,

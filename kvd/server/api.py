@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Callable
 from functools import partial
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 import numpy as np
@@ -433,6 +433,17 @@ def _chat_messages(messages: list[Message]) -> list[ChatMessage]:
     return out
 
 
+class _PromptPart(NamedTuple):
+    """What a body's own kind (chat or completion) decides."""
+
+    prompt: list[int]
+    max_tokens: int | None  # None: the rest of the context
+    logprobs: bool
+    top_logprobs: int
+    echo: str | None = None  # completions echoing their prompt
+    prompt_logprobs: int | None = None
+
+
 def prepare(
     request: _Common,
     tokenizer: Tokenizer,
@@ -440,48 +451,113 @@ def prepare(
     max_model_len: int,
     max_n: int = DEFAULT_MAX_N,
 ) -> Prepared:
-    """Validate a decoded body against the model; raise ApiError (400/413)."""
+    """Validate a decoded body against the model; raise ApiError (400/413).
+    Each rule is its own function; they run in the order a client reads its
+    body (choices, stops, the prompt, its room, sampling)."""
     _unsupported(request)
     n = request.n or 1
     if n > max_n:
         raise ApiError(400, f"n is {n}; this server allows at most {max_n}", param="n")
     stop, stop_ids = _stops(request)
-    echo: str | None = None
-    prompt_logprobs: int | None = None
+    _check_stop_ids(stop_ids, vocab)
+    if isinstance(request, ChatRequest):
+        part = _chat_part(request, tokenizer)
+    else:
+        assert isinstance(request, CompletionRequest)
+        part = _completion_part(request, tokenizer, vocab)
+    max_tokens = _max_tokens(request, part, vocab, max_model_len)
+    temperature = _temperature(request)
+    top_k = _top_k(request, vocab)
+    grammar = _grammar(request)
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        seed=None if request.seed is None else request.seed % 2**32,
+        max_tokens=max_tokens,
+        stop_token_ids=stop_ids,
+        stop=stop,
+        logprobs=part.logprobs,
+        top_logprobs=part.top_logprobs,
+        ignore_eos=bool(request.ignore_eos),
+        min_tokens=_min_tokens(request, grammar, max_tokens),
+        min_p=request.min_p or 0.0,
+        logit_bias=_logit_bias(request.logit_bias, vocab),
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0
+        if request.repetition_penalty is None
+        else request.repetition_penalty,
+        prompt_logprobs=part.prompt_logprobs,
+    )
+    options = request.stream_options
+    return Prepared(
+        prompt=part.prompt,
+        params=params,
+        stream=bool(request.stream),
+        include_usage=bool(options and options.include_usage),
+        continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
+        n=n,
+        grammar=grammar,
+        echo=part.echo,
+        tier=request.priority,
+        cache_salt=request.cache_salt,
+    )
+
+
+def _check_stop_ids(stop_ids: tuple[int, ...], vocab: int) -> None:
     bad_stop = [t for t in stop_ids if not 0 <= t < vocab]
     if bad_stop:
         raise ApiError(
             400, f"stop token id {bad_stop[0]} is outside the vocabulary", param="stop_token_ids"
         )
-    if isinstance(request, ChatRequest):
-        if not request.messages:
-            raise ApiError(400, "messages must not be empty", param="messages")
-        try:
-            prompt = tokenizer.chat_prompt(_chat_messages(request.messages))
-        except TokenizerError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        want_logprobs = bool(request.logprobs)
-        top_logprobs = request.top_logprobs or 0
+
+
+def _chat_part(request: ChatRequest, tokenizer: Tokenizer) -> _PromptPart:
+    if not request.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    try:
+        prompt = tokenizer.chat_prompt(_chat_messages(request.messages))
+    except TokenizerError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    return _PromptPart(
+        prompt,
+        request.max_completion_tokens or request.max_tokens,
+        bool(request.logprobs),
+        request.top_logprobs or 0,
+    )
+
+
+def _completion_part(request: CompletionRequest, tokenizer: Tokenizer, vocab: int) -> _PromptPart:
+    if isinstance(request.prompt, str):
+        if not request.prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        prompt = tokenizer.encode(request.prompt)
     else:
-        assert isinstance(request, CompletionRequest)
-        if isinstance(request.prompt, str):
-            if not request.prompt:
-                raise ApiError(400, "the prompt is empty", param="prompt")
-            prompt = tokenizer.encode(request.prompt)
-        else:
-            prompt = _token_prompt(request.prompt, vocab)
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        if request.echo:
-            echo = (
-                request.prompt
-                if isinstance(request.prompt, str)
-                else tokenizer.decode(prompt, skip_special=False)
-            )
-        want_logprobs = request.logprobs is not None
-        top_logprobs = request.logprobs or 0
-        if request.echo and want_logprobs:  # the prompt's own, before the output's
-            prompt_logprobs = top_logprobs
+        prompt = _token_prompt(request.prompt, vocab)
+    echo = None
+    if request.echo:
+        echo = (
+            request.prompt
+            if isinstance(request.prompt, str)
+            else tokenizer.decode(prompt, skip_special=False)
+        )
+    want_logprobs = request.logprobs is not None
+    top_logprobs = request.logprobs or 0
+    return _PromptPart(
+        prompt,
+        16 if request.max_tokens is None else request.max_tokens,
+        want_logprobs,
+        top_logprobs,
+        echo,
+        # The prompt's own logprobs, before the output's.
+        top_logprobs if request.echo and want_logprobs else None,
+    )
+
+
+def _max_tokens(request: _Common, part: _PromptPart, vocab: int, max_model_len: int) -> int:
+    """The prompt fits the context, and so does what max_tokens asks for."""
+    prompt = part.prompt
     problem = prompt_problem(prompt, vocab, max_model_len)
     if problem is not None:
         raise ApiError(
@@ -491,16 +567,20 @@ def prepare(
             code=problem.code,
         )
     room = max_model_len - len(prompt)
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
+    if part.max_tokens is None:
+        return room
+    if part.max_tokens > room:
         raise ApiError(
             400,
             f"this model's context is {max_model_len} tokens; the prompt has {len(prompt)} "
-            f"and max_tokens asks for {max_tokens} more",
+            f"and max_tokens asks for {part.max_tokens} more",
             param="max_tokens",
             code="context_length_exceeded",
         )
+    return part.max_tokens
+
+
+def _temperature(request: _Common) -> float:
     temperature = 1.0 if request.temperature is None else request.temperature
     if 0 < temperature < MIN_TEMPERATURE:
         raise ApiError(
@@ -508,11 +588,17 @@ def prepare(
             f"temperature must be 0 (greedy) or {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}",
             param="temperature",
         )
-    seed = None if request.seed is None else request.seed % 2**32
+    return temperature
+
+
+def _top_k(request: _Common, vocab: int) -> int:
     top_k = max(0, request.top_k or 0)
     if top_k > vocab:
         raise ApiError(400, f"top_k must be at most the vocabulary size {vocab}", param="top_k")
-    grammar = _grammar(request)
+    return top_k
+
+
+def _min_tokens(request: _Common, grammar: Grammar | None, max_tokens: int) -> int:
     min_tokens = request.min_tokens or 0
     if min_tokens and grammar is not None:
         raise ApiError(
@@ -527,37 +613,4 @@ def prepare(
             f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})",
             param="min_tokens",
         )
-    params = SamplingParams(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        seed=seed,
-        max_tokens=max_tokens,
-        stop_token_ids=stop_ids,
-        stop=stop,
-        logprobs=want_logprobs,
-        top_logprobs=top_logprobs,
-        ignore_eos=bool(request.ignore_eos),
-        min_tokens=min_tokens,
-        min_p=request.min_p or 0.0,
-        logit_bias=_logit_bias(request.logit_bias, vocab),
-        presence_penalty=request.presence_penalty or 0.0,
-        frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=1.0
-        if request.repetition_penalty is None
-        else request.repetition_penalty,
-        prompt_logprobs=prompt_logprobs,
-    )
-    options = request.stream_options
-    return Prepared(
-        prompt=prompt,
-        params=params,
-        stream=bool(request.stream),
-        include_usage=bool(options and options.include_usage),
-        continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
-        n=n,
-        grammar=grammar,
-        echo=echo,
-        tier=request.priority,
-        cache_salt=request.cache_salt,
-    )
+    return min_tokens

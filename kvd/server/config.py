@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvd.engine.config import ATTENTION_CHOICES, EngineDefaults
 from kvd.kv.events import EventEncoding, PrivateBlocks
 from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.ledger import BudgetMode, tenant_name_problem
@@ -61,23 +62,26 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # exercising the daemon without model cost (like vLLM's dummy weights).
     source: str = "gemma3-270m"
     name: str | None = None  # the id clients send as "model"; default: the source's name
-    dtype: str = "float32"
+    dtype: str = EngineDefaults.DTYPE
     # "int8": matrices kept at their stored precision (a GGUF's blocks, exactly)
     # and dequantised inside each step; "none": loaded as dtype; "auto": int8
     # on the CPU where that is exact (a GGUF stored in block formats, the
     # embedded model), the float load on an accelerator (faster there).
     quantization: str = "auto"
     kv_dtype: str | None = None
-    max_model_len: int = 4096
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    tensor_parallel: int = 1  # devices to split the model over (one host)
+    max_model_len: int = EngineDefaults.MAX_MODEL_LEN
+    max_num_seqs: int = EngineDefaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = EngineDefaults.MAX_NUM_BATCHED_TOKENS
+    tensor_parallel: int = EngineDefaults.TENSOR_PARALLEL  # devices to split the model over
+    # The attention implementation: "auto" (the Pallas kernel on a TPU, the
+    # jnp reference elsewhere), "reference", "pallas" or "pallas-interpret".
+    attention: str = EngineDefaults.ATTENTION
 
 
 class PoolSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     size: str = "auto"  # "auto" or a byte size
     auto_fraction: float = 0.5  # of the memory left after the weights, for "auto"
-    block_size: int = 16
+    block_size: int = EngineDefaults.BLOCK_SIZE
     # The host cache: evicted cached blocks kept in host memory.
     # Set, it is the ONE host budget swapped-out sequences share with it
     # (scheduler.swap_space is then not used); "0": off.
@@ -230,6 +234,10 @@ def validate(config: Config) -> None:
     if model.kv_dtype is not None and _canonical_or_none(model.kv_dtype) not in POOL_DTYPES:
         raise ConfigError(
             f"model.kv_dtype: {model.kv_dtype!r} is not one of {', '.join(POOL_DTYPES)}"
+        )
+    if model.attention not in ATTENTION_CHOICES:
+        raise ConfigError(
+            f"model.attention: {model.attention!r} is not one of {', '.join(ATTENTION_CHOICES)}"
         )
     for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
         _positive(f"model.{key}", getattr(model, key))

@@ -557,7 +557,7 @@ class Daemon:
         kv = runtime.scheduler.kv
         referenced = kv.referenced_pages()
         self.clean = referenced == 0
-        log.info("lifecycle.drained", used_pages=referenced, clean=self.clean)
+        log.info("lifecycle.drained", referenced_pages=referenced, clean=self.clean)
 
     def _arm_hard_deadline(self) -> None:
         deadline = self.config.server.drain_timeout + self.config.server.hard_deadline
@@ -593,7 +593,7 @@ class Daemon:
             kv = self.runtime.scheduler.kv
             kv.check_invariants()
             pool = kv.stats()
-            fields = {"used_pages": pool.referenced_pages, "free_pages": pool.free_pages}
+            fields = {"referenced_pages": pool.referenced_pages, "free_pages": pool.free_pages}
         log.info("lifecycle.stopped", **fields)
 
 

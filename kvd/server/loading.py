@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvd.engine import compile_cache
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
 from kvd.kv.layout import build_layout
@@ -140,6 +141,8 @@ def load(
             source = str(config.path(source))
         model = load_model(source, cfg.dtype, cfg.quantization)
     pool_tokens, page_bytes = _pool_tokens(config, model)
+    # Compiled programs kept on disk: a restart reads them instead of compiling.
+    compile_cache.enable_default()
     engine = Engine(
         model,
         EngineConfig(
@@ -151,6 +154,7 @@ def load(
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             pool_tokens=pool_tokens,
             tensor_parallel=cfg.tensor_parallel,
+            attention=cfg.attention,
         ),
     )
     pool_pages = engine.num_pages - 1  # the null page holds nothing

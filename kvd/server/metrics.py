@@ -71,7 +71,7 @@ class SchedulerCollector(RuntimeCollector):
         pool = GaugeMetricFamily("kvd_pool_pages", "KV pool pages by state", labels=["state"])
         pool.add_metric(["free"], stats.kv.free_pages)
         pool.add_metric(["cached"], stats.kv.cached_pages)
-        pool.add_metric(["used"], stats.kv.referenced_pages)
+        pool.add_metric(["referenced"], stats.kv.referenced_pages)
         yield pool
         yield GaugeMetricFamily(
             "kvd_pool_capacity_pages", "Allocatable KV pool pages", value=stats.kv.capacity_pages
@@ -165,8 +165,8 @@ class SchedulerCollector(RuntimeCollector):
             "running": "Tenant requests being computed",
             "waiting": "Tenant requests queued",
             "swapped": "Tenant requests swapped out",
-            "pages_used": "KV pages charged to the tenant",
-            "pages_reserved": "KV pages reserved for the tenant",
+            "charged_pages": "KV pages charged to the tenant",
+            "reserved_pages": "KV pages reserved for the tenant",
             "surplus_pages": "Pages the tenant holds beyond its reservation",
             "host_swap_pages": "Host pages the tenant's swapped-out sequences hold",
             "host_cached_pages": "Host-cache pages the tenant's cached blocks hold",

@@ -33,6 +33,7 @@ import structlog
 import trio
 
 from kvd.sched.constraint import Constraint
+from kvd.sched.results import StepResult
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Rejection, Request, Scheduler, SchedulerStats, StepEvent
 from kvd.sched.stopping import StopCondition
@@ -356,10 +357,11 @@ class Runtime:
                     await self._wake.wait()
                 continue
             started = clock()
-            events = await self._step(scheduler.step)
+            result = await self._step(scheduler.step)
+            events = result.events
             now = clock()
             self._dispatch(events, now)
-            self._log_preemptions()
+            self._log(result)
             if self.after_change is not None:
                 self.after_change()
             if scheduler.stalled:
@@ -407,34 +409,38 @@ class Runtime:
             for tenant in first.keys() | gaps.keys():
                 sink(tenant, first.get(tenant, []), gaps.get(tenant, []))
 
-    def _log_preemptions(self) -> None:
-        scheduler = self.scheduler
-        while scheduler.book.fault_log:
-            request_id, tenant, cause = scheduler.book.fault_log.popleft()
-            log.warning("request.failed", request_id=request_id, tenant=tenant, error=cause)
-        while scheduler.book.copy_failures:
-            kind, cause = scheduler.book.copy_failures.popleft()
-            self.copy_failures[kind] = self.copy_failures.get(kind, 0) + 1
+    def _log(self, result: StepResult) -> None:
+        """Log what a step did besides its tokens, each kind under its event name."""
+        for failed in result.failed:
+            log.warning(
+                "request.failed",
+                request_id=failed.request_id,
+                tenant=failed.tenant,
+                error=failed.cause,
+            )
+        for copy in result.copy_failed:
+            self.copy_failures[copy.kind] = self.copy_failures.get(copy.kind, 0) + 1
             log.warning(
                 "kv.copy_failed",
-                kind=kind,
-                error=cause,
-                recovery="recomputed later" if kind == "swap_out" else "blocks dropped",
+                kind=copy.kind,
+                error=copy.cause,
+                recovery="recomputed later" if copy.kind == "swap_out" else "blocks dropped",
             )
-        starts = self.scheduler.book.start_log
-        while starts:
-            request_id, tenant, queue_steps, cached = starts.popleft()
+        for started in result.started:
             log.info(
                 "request.start",
-                request_id=request_id,
-                tenant=tenant,
-                queue_steps=queue_steps,
-                cached_tokens=cached,
+                request_id=started.request_id,
+                tenant=started.tenant,
+                queue_steps=started.queue_steps,
+                cached_tokens=started.cached_tokens,
             )
-        notices = self.scheduler.book.preemption_log
-        while notices:
-            request_id, tenant, kind = notices.popleft()
-            log.info("kv.preempt", request_id=request_id, tenant=tenant, kind=kind)
+        for preempted in result.preempted:
+            log.info(
+                "kv.preempt",
+                request_id=preempted.request_id,
+                tenant=preempted.tenant,
+                kind=preempted.kind,
+            )
 
     def _refresh(self, now: float, force: bool = False) -> None:
         if force or now - self._snapshot_at >= SNAPSHOT_INTERVAL_S:
@@ -453,7 +459,7 @@ class Runtime:
                 running=stats.running,
                 waiting=stats.waiting,
                 swapped=stats.swapped,
-                used_pages=stats.kv.referenced_pages,
+                referenced_pages=stats.kv.referenced_pages,
                 free_pages=stats.kv.free_pages,
                 cached_pages=stats.kv.cached_pages,
             )

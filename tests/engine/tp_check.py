@@ -175,6 +175,9 @@ def compare(
 
 
 def main() -> dict[str, object]:
+    from kvd.engine import compile_cache
+
+    compile_cache.enable_default()  # a process's entry point enables JAX's cache
     report: dict[str, object] = {"devices": jax.device_count()}
     tiny_config = EngineConfig(
         block_size=4, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, pool_tokens=512

@@ -6,9 +6,10 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import msgspec  # noqa: E402
 import pytest  # noqa: E402
 
-from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvd.engine.engine import Engine, EngineConfig, EngineError  # noqa: E402
 from kvd.engine.loader import random_model  # noqa: E402
 from kvd.oneshot.batch import BatchGenerator  # noqa: E402
 from kvd.sched.sampling_params import SamplingParams  # noqa: E402
@@ -18,9 +19,9 @@ CONFIG = EngineConfig(
 )
 
 
-def run(monkeypatch: pytest.MonkeyPatch, attention: str) -> list[list[int]]:
-    monkeypatch.setenv("KVD_ATTENTION", attention)
-    engine = Engine(random_model(vocab_size=64, sliding_window=12, seed=3), CONFIG)
+def run(attention: str) -> list[list[int]]:
+    config = msgspec.structs.replace(CONFIG, attention=attention)
+    engine = Engine(random_model(vocab_size=64, sliding_window=12, seed=3), config)
     prompts = [[2, *range(5, 25)], [2, 7, 9, 11]]  # the first crosses the 12-token window
     greedy = SamplingParams(temperature=0.0, max_tokens=20)
     generations = BatchGenerator(engine).generate(prompts, [greedy, greedy])
@@ -38,13 +39,13 @@ def test_kernel_and_reference_generate_the_same(monkeypatch: pytest.MonkeyPatch)
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(module, "ragged_paged_attention", spy)
-    with_kernel = run(monkeypatch, "pallas-interpret")
+    with_kernel = run("pallas-interpret")
     assert traced  # the engine traced the kernel, not the reference
     count = len(traced)
-    assert with_kernel == run(monkeypatch, "reference")
+    assert with_kernel == run("reference")
     assert len(traced) == count
 
 
-def test_a_bad_choice_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="KVD_ATTENTION"):
-        run(monkeypatch, "cuda")
+def test_a_bad_choice_is_named() -> None:
+    with pytest.raises(EngineError, match="attention 'cuda': use auto, reference"):
+        run("cuda")

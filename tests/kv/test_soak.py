@@ -74,7 +74,7 @@ def test_reservations_hold_under_an_abusive_tenant(seed: int) -> None:
         elif op < 0.85 and kv.registry.sequences:
             seq = kv.registry.sequences[rng.choice(sorted(kv.registry.sequences))]
             if seq.residency is Residency.SWAPPED:
-                if kv.can_swap_in(seq):
+                if kv.swapper.can_swap_in(seq):
                     kv.swap_in(seq)
             else:
                 if seq.residency is Residency.RESIDENT and seq.num_computed == len(seq.tokens):

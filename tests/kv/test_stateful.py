@@ -242,7 +242,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def swap_in(self, data: st.DataObject) -> None:
         seq = self._pick(data, Residency.SWAPPED)
-        if not self.kv.can_swap_in(seq):
+        if not self.kv.swapper.can_swap_in(seq):
             return
         blocks = seq.swapped_blocks
         kept = list(seq.held_pages())

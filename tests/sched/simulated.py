@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from kvd.kv.geometry import AttentionKind, KVGeometry, LayerType
 from kvd.kv.layout import build_layout
-from kvd.sched.executor import ExecutorLimits
+from kvd.sched.executor import ExecutorSizes
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.simulated import SimulatedExecutor
 
 STOP_IDS = frozenset({1})
-LIMITS = ExecutorLimits(
+LIMITS = ExecutorSizes(
     max_model_len=64,
     max_num_seqs=6,
     max_num_batched_tokens=16,
@@ -19,7 +19,7 @@ LIMITS = ExecutorLimits(
 )
 
 
-def make_executor(pages: int = 90, limits: ExecutorLimits = LIMITS) -> SimulatedExecutor:
+def make_executor(pages: int = 90, limits: ExecutorSizes = LIMITS) -> SimulatedExecutor:
     """1 global layer and 4 sliding ones (window 8), block 4: 3 page groups."""
     g, s = AttentionKind.GLOBAL, AttentionKind.SLIDING
     geometry = KVGeometry(

@@ -77,7 +77,7 @@ def serve(pages: int, preemption: str) -> tuple[dict, dict, Scheduler]:
     for _ in range(1000):
         if not scheduler.has_work():
             break
-        for event in scheduler.step():
+        for event in scheduler.step().events:
             if event.token is not None:
                 outputs[event.request_id, event.choice].append(event.token)
             if event.finished:
@@ -106,7 +106,7 @@ def test_each_choice_follows_its_own_copy() -> None:
     scheduler = Scheduler(make_executor(200), SchedulerConfig(), clock=Clock(100.0))
     scheduler.set_tenant(TenantConfig("t"))
     constraint = Alternating(6)
-    lead = scheduler.submit(
+    first = scheduler.submit(
         "r",
         "t",
         prompt(3, 10),
@@ -114,8 +114,8 @@ def test_each_choice_follows_its_own_copy() -> None:
         n=3,
         constraint=constraint,
     )
-    choices = [lead, *lead.forks]
-    assert lead.constraint is constraint
+    choices = [first, *first.other_choices]
+    assert first.constraint is constraint
     assert len({id(r.constraint) for r in choices}) == 3
     while scheduler.has_work():
         scheduler.step()

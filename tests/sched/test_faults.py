@@ -12,7 +12,7 @@ from kvd.sched.executor import SequenceFault
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from kvd.sched.simulated import SimulatedExecutor
 from tests.sched.simulated import greedy, make_executor
-from tests.sched.test_policy import Run, expected, prompt
+from tests.sched.test_scheduler import Run, expected, prompt
 
 
 class Faulty:
@@ -59,7 +59,9 @@ def test_a_sequence_fault_fails_its_request_alone() -> None:
     for _ in range(500):
         if not s.has_work():
             break
-        for event in s.step():
+        result = s.step()
+        run.results.append(result)
+        for event in result.events:
             if event.token is not None:
                 run.outputs.setdefault(event.request_id, []).append(event.token)
             if event.finished:
@@ -67,7 +69,7 @@ def test_a_sequence_fault_fails_its_request_alone() -> None:
         s.kv.check_invariants()
     assert ended["r2"].finish_reason == "error" and "cannot be packed" in ended["r2"].detail
     assert faulty.runs_refused == 1  # failed once, then it is gone
-    assert list(s.book.fault_log) == [
+    assert [f for r in run.results for f in r.failed] == [
         ("r2", "t", "ValueError: its sampling parameters cannot be packed")
     ]
     for name, ids in prompts.items():
@@ -85,9 +87,10 @@ def test_a_failed_swap_copy_recomputes_the_victim() -> None:
     for name, ids in prompts.items():
         s.submit(name, "t", ids, greedy(20))
     faulty.copies_fail = True
-    outputs = Run(s).drain()
+    run = Run(s)
+    outputs = run.drain()
     assert faulty.failed_copies > 0, "the pool is not small enough to preempt"
-    assert {kind for kind, _ in s.book.copy_failures} == {"swap_out"}
+    assert {c.kind for r in run.results for c in r.copy_failed} == {"swap_out"}
     assert all(request.host_pages is None for request in s.book.requests.values())
     assert s.swap_space.held == 0
     for name, ids in prompts.items():
@@ -110,7 +113,7 @@ def test_a_failed_offload_drops_the_blocks_and_nothing_else() -> None:
         s.submit(f"flood{i}", "t", prompt(60 + i, 36), greedy(4))
     run.drain()
     assert faulty.failed_copies > 0
-    assert {kind for kind, _ in s.book.copy_failures} == {"offload"}
+    assert {c.kind for r in run.results for c in r.copy_failed} == {"offload"}
     s.kv.registry.host.check_invariants()
     assert not s.kv.registry.host.blocks  # every block whose copy failed is gone
     faulty.copies_fail = False

@@ -40,7 +40,7 @@ def run(
     for _ in range(limit):
         if not scheduler.has_work():
             break
-        for event in scheduler.step():
+        for event in scheduler.step().events:
             if event.token is not None:
                 outputs[event.request_id, event.choice].append(event.token)
         scheduler.kv.check_invariants()
@@ -75,8 +75,8 @@ def test_n_greedy_choices_equal_n_1_and_share_the_prompt() -> None:
     ids = prompt(1, 30)
     want, _ = expected_output(ids, greedy(10), LIMITS, STOP_IDS)
     scheduler = make()
-    lead = scheduler.submit("r", "t", ids, greedy(10), n=4)
-    choices = [lead, *lead.forks]
+    first = scheduler.submit("r", "t", ids, greedy(10), n=4)
+    choices = [first, *first.other_choices]
     assert [c.choice for c in choices] == [0, 1, 2, 3]
     out = run(scheduler, watch=choices)
     assert out == {("r", i): want for i in range(4)}
@@ -104,17 +104,19 @@ def test_seeded_choices_sample_with_seed_plus_their_index() -> None:
 
 def test_cancel_ends_all_choices_or_one() -> None:
     scheduler = make()
-    lead = scheduler.submit("r", "t", prompt(3, 24), greedy(20), n=3)
+    first = scheduler.submit("r", "t", prompt(3, 24), greedy(20), n=3)
     for _ in range(8):
         scheduler.step()
-    assert all(r.phase is RequestPhase.RUNNING for r in (lead, *lead.forks))
+    assert all(r.phase is RequestPhase.RUNNING for r in (first, *first.other_choices))
     assert scheduler.cancel("r", choice=1)
-    assert lead.forks[0].phase is RequestPhase.FINISHED
-    assert lead.phase is RequestPhase.RUNNING and lead.forks[1].phase is RequestPhase.RUNNING
+    assert first.other_choices[0].phase is RequestPhase.FINISHED
+    assert (
+        first.phase is RequestPhase.RUNNING and first.other_choices[1].phase is RequestPhase.RUNNING
+    )
     assert not scheduler.cancel("r", choice=1)  # already over
     scheduler.step()
     assert scheduler.cancel("r")
-    assert all(r.phase is RequestPhase.FINISHED for r in (lead, *lead.forks))
+    assert all(r.phase is RequestPhase.FINISHED for r in (first, *first.other_choices))
     assert not scheduler.cancel("r") and "r" not in scheduler.book.choices
     scheduler.kv.check_invariants()
     assert scheduler.kv.registry.pool.num_referenced() == 0
@@ -126,15 +128,15 @@ def test_the_first_choices_end_leaves_the_others_running() -> None:
     ids = prompt(4, 26)
     want, _ = expected_output(ids, greedy(12), LIMITS, STOP_IDS)
     scheduler = make()
-    lead = scheduler.submit("r", "t", ids, greedy(12), n=3)
+    first = scheduler.submit("r", "t", ids, greedy(12), n=3)
     outputs: dict[int, list[int]] = defaultdict(list)
     for _ in range(6):
-        for event in scheduler.step():
+        for event in scheduler.step().events:
             if event.token is not None:
                 outputs[event.choice].append(event.token)
-    assert scheduler.cancel("r", choice=0) and lead.phase is RequestPhase.FINISHED
+    assert scheduler.cancel("r", choice=0) and first.phase is RequestPhase.FINISHED
     while scheduler.has_work():
-        for event in scheduler.step():
+        for event in scheduler.step().events:
             if event.token is not None:
                 outputs[event.choice].append(event.token)
         scheduler.kv.check_invariants()
@@ -213,14 +215,14 @@ def test_a_prompts_own_logprobs_come_with_its_first_token() -> None:
     scheduler.submit("warm", "t", tokens, greedy(2))
     run(scheduler)
     params = msgspec.structs.replace(greedy(3), prompt_logprobs=2)
-    lead = scheduler.submit("r", "t", tokens, params, n=2)
+    first = scheduler.submit("r", "t", tokens, params, n=2)
     firsts = {}
     for _ in range(50):
-        for event in scheduler.step():
+        for event in scheduler.step().events:
             firsts.setdefault(event.choice, event)
-        if len(firsts) == 2 and lead.phase is RequestPhase.FINISHED:
+        if len(firsts) == 2 and first.phase is RequestPhase.FINISHED:
             break
-    assert lead.cached_tokens == 0
+    assert first.cached_tokens == 0
     scores = firsts[0].prompt
     assert scores is not None and len(scores) == len(tokens) - 1
     vocab = LIMITS.vocab_size

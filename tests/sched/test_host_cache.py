@@ -11,7 +11,7 @@ from kvd.kv.scope import SharingPolicy
 from kvd.sched.hostcopies import _row
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, TenantConfig
 from tests.sched.simulated import greedy, make_executor
-from tests.sched.test_policy import Run, expected, prompt, rates
+from tests.sched.test_scheduler import Run, expected, prompt, rates
 
 BLOCK = 4
 

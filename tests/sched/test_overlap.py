@@ -71,7 +71,7 @@ def drive(
             victim = scheduler.book.running_order.snapshot()[-1]
             scheduler.preemption.preempt(victim, StepPlan(32, 8))
             scheduler.kv.check_invariants()
-        for event in scheduler.step():
+        for event in scheduler.step().events:
             events.setdefault(event.request_id, []).append(event)
         scheduler.kv.check_invariants()
     assert not scheduler.has_work()
@@ -272,13 +272,13 @@ def test_a_late_stop_emits_nothing_after_its_end_and_frees_its_pages() -> None:
     scheduler, _ = simulated()
     scheduler.kv.enable_events()
     request = scheduler.submit("r", "t", PROMPT, greedy(20), stop=StopsAfter(1))
-    events = scheduler.step()  # the prefill dispatched, nothing read yet
+    events = scheduler.step().events  # the prefill dispatched, nothing read yet
     assert events == [] and scheduler.in_flight
-    events = scheduler.step()  # its first token read (a stop) as the next step flies
+    events = scheduler.step().events  # its first token read (a stop) as the next step flies
     assert [(e.finished, e.finish_reason) for e in events] == [(True, "stop")]
     assert request.phase is RequestPhase.FINISHED
     assert len(request.output) == 1  # the in-flight placeholder is gone with the request
-    events = scheduler.step()  # that step read: its row dropped, exactly once
+    events = scheduler.step().events  # that step read: its row dropped, exactly once
     assert events == [] and not scheduler.has_work()
     assert scheduler.kv.registry.pool.num_referenced() == 0
     scheduler.kv.check_invariants()
@@ -289,7 +289,7 @@ def test_a_cancel_with_a_step_in_flight_drops_its_token_once() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     scheduler.submit("a", "t", PROMPT, params)
     scheduler.submit("b", "t", PROMPT[:5], params)
-    before = [e for _ in range(4) for e in scheduler.step()]
+    before = [e for _ in range(4) for e in scheduler.step().events]
     assert scheduler.in_flight
     assert scheduler.cancel("a")
     scheduler.kv.check_invariants()

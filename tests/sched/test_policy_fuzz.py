@@ -183,7 +183,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def _one_step(self) -> None:
         scheduler = self.scheduler
-        events = scheduler.step()
+        events = scheduler.step().events
         self.copy_fault_steps -= 1
         self.faulty.copies_fail = self.copy_fault_steps > 0
         self.steps += 1

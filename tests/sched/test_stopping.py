@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from kvd.sched.requests import Rejection, RequestPhase
+from kvd.sched.results import Failed
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, SchedulerConfig, StepEvent, TenantConfig
 from tests.sched.simulated import Clock, greedy, make_executor
@@ -34,12 +35,16 @@ def make() -> Scheduler:
     return scheduler
 
 
-def run(scheduler: Scheduler) -> list[StepEvent]:
+def run(scheduler: Scheduler, failed: list[Failed] | None = None) -> list[StepEvent]:
+    """Step until done; the events, and (into ``failed``) the requests failed alone."""
     events: list[StepEvent] = []
     for _ in range(300):
         if not scheduler.has_work():
             break
-        events += scheduler.step()
+        result = scheduler.step()
+        events += result.events
+        if failed is not None:
+            failed += result.failed
         scheduler.kv.check_invariants()
     assert not scheduler.has_work()
     assert scheduler.kv.registry.pool.num_referenced() == 0  # every page back
@@ -107,7 +112,7 @@ def test_each_choice_watches_its_own_output() -> None:
         for c in got
     ), "the pattern should have cut a choice short"
     assert [w.seen for w in watchers] == [[e.token for e in got[c]] for c in range(3)]
-    assert all(r.phase is RequestPhase.FINISHED for r in (lead, *lead.forks))
+    assert all(r.phase is RequestPhase.FINISHED for r in (lead, *lead.other_choices))
 
 
 def test_a_requests_stop_ids_end_it_in_the_scheduler() -> None:
@@ -140,7 +145,8 @@ def test_a_watch_that_fails_fails_its_request_alone() -> None:
     scheduler = make()
     scheduler.submit("broken", "t", PROMPT, greedy(10), stop=Breaks())
     scheduler.submit("other", "t", [4, *PROMPT], greedy(10))
-    events = run(scheduler)
+    failed: list[Failed] = []
+    events = run(scheduler, failed)
     broken = [e for e in events if e.request_id == "broken"]
     assert [e.token for e in broken[:2]] == [e.token for e in output_of(greedy(2))]
     assert broken[-1].token is None and broken[-1].finish_reason == "error"
@@ -148,7 +154,7 @@ def test_a_watch_that_fails_fails_its_request_alone() -> None:
     assert len(broken) == 3  # two tokens, then the failure in place of the third
     other = [e for e in events if e.request_id == "other"]
     assert len(other) == 10 and other[-1].finish_reason == "length"
-    assert scheduler.book.fault_log[-1][0] == "broken"
+    assert [f.request_id for f in failed] == ["broken"]
 
 
 def test_stop_strings_without_a_watch_are_refused() -> None:

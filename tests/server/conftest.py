@@ -177,16 +177,13 @@ class DaemonProcess:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{self.metrics_url}/metrics").text)
 
-    def used_pages(self) -> float:
-        return self.metrics()['kvd_pool_pages{state="used"}']
-
     def wait_pages_released(self, timeout: float = 10) -> None:
         """Until no page is in use (the metrics snapshot lags by < 0.3 s)."""
         deadline = time.monotonic() + timeout
         while True:
             metrics = self.metrics()
             if (
-                metrics['kvd_pool_pages{state="used"}'] == 0
+                metrics['kvd_pool_pages{state="referenced"}'] == 0
                 and metrics["kvd_requests_in_flight"] == 0
             ):
                 return

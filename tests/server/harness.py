@@ -31,7 +31,7 @@ from quart.typing import TestClientProtocol
 from kvd.engine.loader import embedded_tokenizer, random_model_config
 from kvd.engine.tokenizer import Tokenizer
 from kvd.kv.layout import build_layout
-from kvd.sched.executor import ExecutorLimits
+from kvd.sched.executor import ExecutorSizes
 from kvd.sched.simulated import SimulatedExecutor
 from kvd.server.admin import create_admin_app
 from kvd.server.config import Config, load_config
@@ -83,7 +83,7 @@ def simulated_loader(
         layout = build_layout(shape.kv_geometry(cfg.kv_dtype or cfg.dtype), config.pool.block_size)
         pool_tokens = layout.pool_tokens(parse_size(config.pool.size))
         pages = pool_tokens // layout.block_size * layout.num_groups + 1
-        limits = ExecutorLimits(
+        limits = ExecutorSizes(
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -52,6 +52,7 @@ def test_dev_config_matches_the_readme() -> None:
         ("[pool]\nhost_size = 'lots'\n" + TENANT, "pool.host_size"),
         (TENANT + "host_quota = 'lots'\n", "tenants.alice.host_quota"),
         ("[model]\nkv_dtype = 'fp8'\n" + TENANT, "model.kv_dtype: 'fp8' is not one of"),
+        ("[model]\nattention = 'cuda'\n" + TENANT, "model.attention: 'cuda' is not one of"),
         ("[model]\nkv_dtype = 'int3'\n" + TENANT, "model.kv_dtype: 'int3'"),
         ("[model]\nmax_num_seqs = 0\n" + TENANT, "model.max_num_seqs: must be > 0"),
         ("", "at least one tenant"),

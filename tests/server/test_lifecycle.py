@@ -98,7 +98,7 @@ async def test_a_stop_drains_what_finishes_and_aborts_what_is_left(tmp_path: Pat
             assert last != "[DONE]" and "aborted" in last, last
         assert served.named("lifecycle.drain_timeout")[-1]["aborted"] == 2
         drained = served.named("lifecycle.drained")[-1]
-        assert drained["clean"] and drained["used_pages"] == 0
+        assert drained["clean"] and drained["referenced_pages"] == 0
         assert served.daemon.clean
         await served.assert_whole()
 

@@ -252,13 +252,13 @@ def test_systemd_notify_and_a_sigterm_drain(tmp_path: Path, daemon_env: DaemonEn
     for out in streams[4:]:  # cut at the drain timeout: an error event, no [DONE]
         assert "aborted" in json.dumps(out.ended_with_error()), out.lines[-3:]
     drained = daemon.wait_for("lifecycle.drained")
-    assert drained["clean"] and drained["used_pages"] == 0
+    assert drained["clean"] and drained["referenced_pages"] == 0
     # Whether the stuck sends really blocked depends on the kernel's buffer
     # sizing; when they did, the hard deadline is what ended the process.
     for event in daemon.named("lifecycle.hard_exit"):
         assert event["clean"] and event["status"] == 0
     if not daemon.named("lifecycle.hard_exit"):
-        assert daemon.wait_for("lifecycle.stopped")["used_pages"] == 0
+        assert daemon.wait_for("lifecycle.stopped")["referenced_pages"] == 0
 
     texts = [text for _, text in messages if text != "WATCHDOG=1"]
     assert texts[0].startswith("STATUS=loading") and texts[1] == "READY=1\nSTATUS=serving"
