@@ -70,7 +70,7 @@ def main() -> None:
             scheduler.submit(f"b{batch}-{i}", "t", prompt, params)
         while scheduler.stats().waiting or any(
             r.seq is not None and r.seq.num_computed < r.prompt_len
-            for r in scheduler.running.values()
+            for r in scheduler.book.running.values()
         ):
             scheduler.step()  # prefill: not timed
         tokens = steps = 0
@@ -80,7 +80,7 @@ def main() -> None:
         while scheduler.has_work():
             device = engine.device_seconds
             begin = time.perf_counter()
-            events = scheduler.step()
+            events = scheduler.step().events
             host += (time.perf_counter() - begin) - (engine.device_seconds - device)
             tokens += sum(1 for e in events if e.token is not None)
             steps += 1

@@ -28,21 +28,22 @@ def run(
         temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True
     )
     start = time.perf_counter()
-    lead = scheduler.submit("r", "t", prompt, params, n=n)
+    first = scheduler.submit("r", "t", prompt, params, n=n)
     ttft = None
     pages = 0
     outputs: dict[int, list[int]] = {i: [] for i in range(n)}
     while scheduler.has_work():
-        for event in scheduler.step():
+        for event in scheduler.step().events:
             if event.token is None:
                 continue
             if ttft is None:
                 ttft = time.perf_counter() - start
             outputs[event.choice].append(event.token)
         if all(
-            r.seq is not None and r.seq.num_computed >= len(prompt) for r in (lead, *lead.forks)
+            r.seq is not None and r.seq.num_computed >= len(prompt)
+            for r in (first, *first.other_choices)
         ):
-            pages = max(pages, scheduler.kv.pool.num_referenced())
+            pages = max(pages, scheduler.kv.referenced_pages())
     assert ttft is not None
     return ttft, pages, [outputs[i] for i in range(n)]
 

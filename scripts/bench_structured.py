@@ -27,7 +27,6 @@ import jsonschema
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import load_model
 from kvd.engine.tokenizer import ChatMessage
-from kvd.kv.columns import COMPUTED, LENGTH
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Scheduler, TenantConfig
 from kvd.server.grammar import Grammar, GrammarCompiler
@@ -180,7 +179,8 @@ def compile_times(compiler: GrammarCompiler) -> None:
     started = time.perf_counter()
     compiler.constraint(Grammar("json", "{}", "warm"))  # the vocabulary's build
     print(f"vocabulary build (once a process): {time.perf_counter() - started:.2f} s")
-    first, cached = [], []
+    first: list[float] = []
+    cached: list[float] = []
     for _, schema in SCHEMAS:
         grammar = Grammar("json", json.dumps(schema), "bench")
         for into in (first, cached):
@@ -209,7 +209,7 @@ def validity(engine: Engine, compiler: GrammarCompiler, max_tokens: int) -> None
         scheduler.submit(f"r{i}", "t", prompt, params, constraint=constraint)
         outputs[f"r{i}"] = []
     while scheduler.has_work():
-        for event in scheduler.step():
+        for event in scheduler.step().events:
             if event.token is not None:
                 outputs[event.request_id].append(event.token)
             if event.finished:
@@ -244,13 +244,12 @@ def step_times(engine: Engine, compiler: GrammarCompiler, rounds: int) -> None:
             scheduler.submit(f"r{i}", "t", [*prompt, 1000 + i], params, constraint=constraint)
         while True:  # every prompt in, every row decoding
             scheduler.step()
-            columns = scheduler.kv.columns.matrix
-            running = list(scheduler.running.values())
-            if len(running) == 32 and all(
-                columns[LENGTH, r.seq.slot] == columns[COMPUTED, r.seq.slot] + 1  # type: ignore[union-attr]
-                for r in running
-            ):
-                break
+            running = list(scheduler.book.running.values())
+            if len(running) == 32:
+                seqs = [r.seq for r in running if r.seq is not None]
+                fields = scheduler.kv.step_columns(scheduler.kv.slots_of(seqs))
+                if (fields.length == fields.computed + 1).all():
+                    break
         for _ in range(3):
             scheduler.step()
         started = time.perf_counter()

@@ -11,7 +11,7 @@ kvd_ensure_venv test,bench
 style=0
 "$KVD_VENV/bin/ruff" check kvd kvctl kernels tests scripts || style=$?
 "$KVD_VENV/bin/ruff" format --check kvd kvctl kernels tests scripts || style=$?
-"$KVD_VENV/bin/mypy" || style=$?  # kvd, kvctl and the kernels, as [tool.mypy] says
+"$KVD_VENV/bin/mypy" || style=$?  # kvd, kvctl, the kernels and the scripts, as [tool.mypy] says
 status=0
 "$KVD_VENV/bin/python" -m pytest -n "${KVD_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" || status=$?
 # pytest exits 5 when it collected nothing (e.g. a -k that matches no test).
