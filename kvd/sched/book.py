@@ -102,7 +102,7 @@ class RequestBook:
         self.tenant_stats[tenant].rate_limited += 1
 
     def start(self, request: Request) -> None:
-        """A waiting request runs; the first time, its start is logged."""
+        """A waiting request runs (``log_start`` records its first start)."""
         queue = self.queues[request.tenant]
         if queue[0] is request:
             queue.popleft()
