@@ -85,12 +85,13 @@ class _Workload:
             self.kv.set_tenant(tenant, TenantBudget(reservation=share))
         self.kv.add_public_prefix("system", _SYSTEM_PROMPT)
         self.targets: dict[int, int] = {}
+        self.live: dict[int, Sequence] = {}  # the sequences it runs, oldest first
         self.next_id = 0
         self.arrivals = 0
         for _ in range(running):
             self.arrive()
         # Spread completions so arrivals happen on most steps.
-        for seq in self.kv.live_sequences():
+        for seq in self.live.values():
             for _ in range(self.rng.randrange(64)):
                 self.decode(seq)
 
@@ -99,6 +100,7 @@ class _Workload:
         prompt = _SYSTEM_PROMPT + [rng.randrange(2, 262144) for _ in range(rng.randrange(8, 32))]
         seq = self.kv.add_sequence(self.next_id, rng.choice(_TENANTS), prompt)
         self.targets[self.next_id] = len(prompt) + rng.randrange(64, 512)
+        self.live[self.next_id] = seq
         self.next_id += 1
         hit = self.kv.lookup(seq)
         todo = len(prompt) - hit.num_tokens
@@ -116,13 +118,13 @@ class _Workload:
     def step(self) -> None:
         done: list[Sequence] = []
         targets, decode = self.targets, self.decode
-        for seq in self.kv.live_sequences():
+        for seq in self.live.values():
             decode(seq)
             if len(seq.tokens) >= targets[seq.seq_id]:
                 done.append(seq)
         for seq in done:
             self.kv.finish(seq)
-            del targets[seq.seq_id]
+            del targets[seq.seq_id], self.live[seq.seq_id]
             self.arrive()
 
 

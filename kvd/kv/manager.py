@@ -59,7 +59,6 @@ from kvd.kv.prefix import PrefixCache
 from kvd.kv.records import Demand, KVError, KVStats, PageCopy, PrefixHit, TenantKV
 from kvd.kv.registry import SequenceRegistry
 from kvd.kv.scope import SharingPolicy
-from kvd.kv.sequence import Sequence
 from kvd.kv.swap import Swapper
 
 __all__ = [
@@ -134,10 +133,6 @@ class KVManager:
     def step_columns(self, slots: np.ndarray[Any, Any]) -> StepColumns:
         """The column fields of the sequences at ``slots`` (``slots_of``), gathered once."""
         return StepColumns(self.registry.columns.matrix[:, slots])
-
-    def live_sequences(self) -> list[Sequence]:
-        """The live sequences, oldest first."""
-        return list(self.registry.sequences.values())
 
     def public_prefixes(self) -> list[str]:
         return [name for name, _ in self.registry.public.items()]
