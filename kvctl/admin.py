@@ -134,6 +134,13 @@ def render_status(s: dict[str, Any]) -> str:
         f"({prefix['hit_rate']:.1%}; device {prefix.get('device_hit_tokens', 0)}, "
         f"host {prefix.get('host_hit_tokens', 0)})",
     ]
+    hosts = s.get("hosts") or {}
+    if hosts.get("processes", 1) > 1:
+        lines.append(
+            f"{hosts['processes']} hosts in lockstep, each holding weights "
+            f"{hosts['weight_bytes_per_host'] / 2**20:.0f} MiB and pool "
+            f"{hosts['pool_bytes_per_host'] / 2**20:.0f} MiB"
+        )
     host = s.get("host")
     if host and host["pages"]:
         lines.append(

@@ -6,6 +6,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import msgspec
@@ -45,8 +46,18 @@ def _temperature(value: float) -> float:
     "--listen", metavar="HOST:PORT", help="Override server.listen (port 0: any free port)."
 )
 @click.option("--admin-socket", metavar="PATH", help="Override server.admin_socket.")
-def serve(config_path: str, listen: str | None, admin_socket: str | None) -> None:
-    """Run the daemon: load the model, warm up, serve the HTTP API until SIGTERM."""
+@click.option(
+    "--process-id",
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="Override distributed.process_id (several hosts: this host's place in the set).",
+)
+def serve(
+    config_path: str, listen: str | None, admin_socket: str | None, process_id: int | None
+) -> None:
+    """Run the daemon: load the model, warm up, serve the HTTP API until SIGTERM.
+    With ``[distributed]``, every host runs this with the same configuration:
+    process 0 serves, the others follow it."""
     import trio
 
     from kvd.server.config import ConfigError, load_config, parse_listen
@@ -64,9 +75,13 @@ def serve(config_path: str, listen: str | None, admin_socket: str | None) -> Non
                     config.server, admin_socket=str(Path(admin_socket).resolve())
                 ),
             )
+        if process_id is not None and config.distributed is None:
+            raise ConfigError("--process-id needs a [distributed] section in the configuration")
     except ConfigError as exc:
         fail(str(exc))
     configure_logging()
+    if config.distributed is not None:
+        _join_or_follow(config, process_id)
     from kvd.server.daemon import Daemon
 
     daemon = Daemon(config, listen=listen)
@@ -84,6 +99,32 @@ def serve(config_path: str, listen: str | None, admin_socket: str | None) -> Non
         sys.stderr.flush()
         os._exit(code)
     raise SystemExit(code)
+
+
+def _join_or_follow(config: Any, process_id: int | None) -> None:
+    """Several processes: join the set; a follower's life ends here (it
+    follows process 0 until told to stop), the leader's goes on to serve."""
+    from kvd.server import distributed
+    from kvd.server.config import ConfigError
+    from kvd.server.daemon import startup_failure
+
+    try:
+        role = distributed.start(config, process_id)
+    except ConfigError as exc:
+        fail(str(exc))
+    distributed.watch(role)
+    if role.leader:
+        return
+    try:
+        code = distributed.run_follower(config, role)
+    except BaseException as exc:  # noqa: BLE001  # a start-up failure is one line, exit 1
+        reason = startup_failure(exc)
+        if reason is None:
+            raise
+        fail(reason, code=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no shutdown barrier with a leader that may be gone
 
 
 @cli.command("check-config")

@@ -48,6 +48,7 @@ from kvd.engine.batching import (
 )
 from kvd.engine.config import EngineDefaults
 from kvd.engine.loader import LoadedModel
+from kvd.engine.lockstep import GATHER, SCATTER, STEP, STOP, Lockstep
 from kvd.engine.model import (
     EngineSpec,
     Params,
@@ -351,6 +352,7 @@ class Engine:
             try:
                 sharding.check_divisible(model.config, cfg.tensor_parallel)
                 sharding.check_weight_blocks(params, cfg.tensor_parallel)
+                sharding.check_processes(cfg.tensor_parallel)
                 self.mesh = sharding.make_mesh(cfg.tensor_parallel)
             except sharding.ShardingError as exc:
                 raise EngineError(str(exc)) from None
@@ -365,7 +367,11 @@ class Engine:
                 self.mesh,
                 geometry.scale_bytes(geometry.kinds()[0]) // geometry.element_size,
             )
-            self.pool = jax.device_put(zero_pool().reshape(pool_shape), pool_sharding)
+            # Made where it lives: no host copy of the pool, and under several
+            # processes each makes only its own devices' shards.
+            self.pool = jax.jit(
+                lambda: jnp.zeros(pool_shape, jnp.dtype(kv_dtype)), out_shardings=pool_sharding
+            )()
             return pool_sharding
         if cfg.scan_layers:
             self.params = jax.device_put(params)
@@ -390,14 +396,14 @@ class Engine:
         # the whole pool to write one token's K/V; see model._write_kv.)
         self.token_buckets = powers_of_two(1, max(2, cfg.max_num_batched_tokens))
         every_shape = (self.token_buckets[-1], model.config.hidden_size)
-        self._every_hidden = jnp.zeros(every_shape, activation_dtype(self.params))
         self.seq_buckets = powers_of_two(1, cfg.max_num_seqs)
+        # Host zeros, put by ``_put``'s rule (under several processes each
+        # process puts its own shards of them).
+        put = jnp.asarray if self._replicated is None else self._put
+        self._every_hidden = put(np.zeros(every_shape, activation_dtype(self.params)))
         # The last dispatched step's sampled tokens, on the device: the next
         # step reads a row's newest token there when the host has not yet.
-        self._previous = jnp.zeros(cfg.max_num_seqs, jnp.int32)
-        if self._replicated is not None:
-            self._every_hidden = jax.device_put(self._every_hidden, self._replicated)
-            self._previous = jax.device_put(self._previous, self._replicated)
+        self._previous = put(np.zeros(cfg.max_num_seqs, np.int32))
         # The reference attention's cost follows the live keys whatever the
         # tables' width, so it compiles one width (each program costs ~0.1 GB of
         # resident code on XLA:CPU); the kernel's grid walks the whole table, so
@@ -447,7 +453,10 @@ class Engine:
             **head_shardings,
         )
         self._score = jax.jit(partial(score_prompt, self.spec), **head_shardings)
-        self._gather = jax.jit(lambda pool, pages: pool[pages])
+        # Under several processes the leader reads every shard of a copy (each
+        # host's shards travel to it), so the gather's result is replicated.
+        gather_shardings = {} if jax.process_count() == 1 else head_shardings
+        self._gather = jax.jit(lambda pool, pages: pool[pages], **gather_shardings)
         self._scatter = jax.jit(
             lambda pool, pages, data: pool.at[pages].set(data),
             donate_argnums=(0,),
@@ -468,6 +477,9 @@ class Engine:
         self._rows = self._new_rows()
         self._minus_ones: dict[tuple[int, ...], Any] = {}  # by shape (``_constant``)
         self.mask_words = mask_words(self.vocab_size)
+        # Under several processes: the leader sends each device call, the
+        # others replay it (``follow``).
+        self.lockstep = Lockstep(self._largest_message()) if jax.process_count() > 1 else None
         self._table_edits: list[tuple[int, int, int, int]] = []
         self.kv: KVManager | None = None  # whose tables the steps read (``bind``)
         self.limits = ExecutorSizes(
@@ -497,20 +509,23 @@ class Engine:
 
     def _histories(
         self, rows: np.ndarray[Any, Any], seqs: list[Sequence], ends: np.ndarray[Any, Any]
-    ) -> Any:
-        """The head's token histories for ``rows`` (a sequence bucket's)."""
+    ) -> np.ndarray[Any, Any] | None:
+        """The head's token histories for ``rows`` (a sequence bucket's); None
+        when no row has a penalty (the device's constant stands in)."""
         if self._rows.penalized(rows[: len(seqs)]).any():
-            return self._put(self._rows.histories(rows, seqs, ends))
-        return self._constant((len(rows), self.config.max_model_len))
+            return self._rows.histories(rows, seqs, ends)
+        return None
 
-    def _masks(self, seqs_bucket: int, masks: np.ndarray[Any, Any] | None) -> Any:
+    def _masks(
+        self, seqs_bucket: int, masks: np.ndarray[Any, Any] | None
+    ) -> np.ndarray[Any, Any] | None:
         """The head's token bitmasks for a sequence bucket: the step's, padded
-        with all-ones rows, or a device array of all ones made once."""
-        if masks is not None:
-            padded = np.full((seqs_bucket, self.mask_words), -1, np.int32)
-            padded[: len(masks)] = masks
-            return self._put(padded)
-        return self._constant((seqs_bucket, self.mask_words))
+        with all-ones rows; None when no row has a grammar."""
+        if masks is None:
+            return None
+        padded = np.full((seqs_bucket, self.mask_words), -1, np.int32)
+        padded[: len(masks)] = masks
+        return padded
 
     def _constant(self, shape: tuple[int, ...]) -> Any:
         """An int32 device array of -1s of ``shape``, made once: the head's
@@ -533,6 +548,24 @@ class Engine:
         hidden = self.model.config.hidden_size
         return self._spec((self.config.max_num_seqs, hidden), activation_dtype(self.params))
 
+    def _largest_message(self) -> int:
+        """The most int32 words one lockstep payload carries: a step of the
+        largest buckets, or a copy of the most pages."""
+        cfg, seqs = self.config, self.config.max_num_seqs
+        tokens, width = self.token_buckets[-1], self.block_buckets[-1]
+        flat = tokens + sum(
+            math.prod(shape) for shape in batch_shapes(tokens, seqs, width, self.layout.num_groups)
+        )
+        step = (
+            flat
+            + seqs * (SAMPLING_INTS + SAMPLING_FLOATS + 1 + cfg.max_model_len + self.mask_words)
+            + tokens
+            + 1
+        )
+        pages = self.page_buckets[-1]
+        copy = pages + pages * self.layout.page_bytes // 4
+        return max(step, copy) + 16
+
     def _put(self, array: np.ndarray[Any, Any]) -> Any:
         """A host buffer for a compiled program: replicated over the mesh, if any.
 
@@ -545,6 +578,21 @@ class Engine:
 
     def _spec(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
+
+    def bytes_here(self) -> dict[str, int]:
+        """What this process's devices hold, in bytes: the weights and the
+        pool (each device's copy or shard counted). Under several processes
+        each host holds its own share; on one process, all of it."""
+
+        def here(array: Any) -> int:
+            return sum(shard.data.nbytes for shard in array.addressable_shards)
+
+        weights = sum(here(leaf) for leaf in jax.tree.leaves(self.params))
+        return {
+            "processes": jax.process_count(),
+            "weight_bytes_per_host": weights,
+            "pool_bytes_per_host": here(self.pool),
+        }
 
     def page_elements(self) -> int:
         return math.prod(self.pool.shape[1:])
@@ -563,21 +611,75 @@ class Engine:
         if faults.fire("d2h") == "fail":
             raise faults.InjectedFault("injected: a device-to-host copy failed")
         size = bucket(len(pages), self.page_buckets)
-        index = self._put(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
-        program = self._program(("gather", size, 0), self._gather, self.pool, index)
-        data = program(self.pool, index)
+        index = np.pad(np.asarray(pages, np.int32), (0, size - len(pages)))
+        self._send(GATHER, (), (index,))
+        data = self._launch_gather(index)
         data.copy_to_host_async()
         return _LaterRows(data, len(pages))
+
+    def _launch_gather(self, index: np.ndarray[Any, Any]) -> Any:
+        size = len(index)
+        device_index = self._put(index)
+        program = self._program(("gather", size, 0), self._gather, self.pool, device_index)
+        return program(self.pool, device_index)
 
     def copy_in(self, pages: list[int], data: np.ndarray[Any, Any]) -> None:
         """Write host ``data`` into ``pages`` (padding lands in the null page)."""
         size = bucket(len(pages), self.page_buckets)
-        index = self._put(np.pad(np.asarray(pages, np.int32), (0, size - len(pages))))
-        padded = np.zeros((size, self.page_elements()), data.dtype)
+        index = np.pad(np.asarray(pages, np.int32), (0, size - len(pages)))
+        padded = np.zeros((size, self.page_elements()), self.pool.dtype)
         padded[: len(pages)] = data
-        values = self._put(padded.astype(self.pool.dtype).reshape(size, *self.pool.shape[1:]))
-        program = self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
-        self.pool = program(self.pool, index, values)
+        self._send(SCATTER, (), (index, padded))
+        self._launch_scatter(index, padded)
+
+    def _launch_scatter(self, index: np.ndarray[Any, Any], values: np.ndarray[Any, Any]) -> None:
+        size = len(index)
+        device_index = self._put(index)
+        device_values = self._put(values.reshape(size, *self.pool.shape[1:]))
+        program = self._program(
+            ("scatter", size, 0), self._scatter, self.pool, device_index, device_values
+        )
+        self.pool = program(self.pool, device_index, device_values)
+
+    # -- several processes -----------------------------------------------------------
+
+    def _send(self, op: int, statics: tuple[int, ...], arrays: tuple[Any, ...]) -> None:
+        """The leader, before a device call: every follower makes the same one."""
+        if self.lockstep is not None and self.lockstep.leader:
+            self.lockstep.send(op, statics, arrays)
+
+    @property
+    def follower(self) -> bool:
+        return self.lockstep is not None and not self.lockstep.leader
+
+    def follow(self) -> None:
+        """A follower's life after warm-up: replay the leader's device calls in
+        its order until it sends ``stop``. Results are the leader's to read."""
+        if not self.follower:
+            raise EngineError("only a follower process follows the leader")
+        assert self.lockstep is not None
+        log = structlog.get_logger("kvd.engine")
+        while True:
+            message = self.lockstep.receive()
+            if message.op == STEP:
+                tokens, width, seqs = message.statics
+                self._launch_step(tokens, width, seqs, *message.arrays)
+            elif message.op == GATHER:
+                self._launch_gather(*message.arrays)
+            elif message.op == SCATTER:
+                self._launch_scatter(*message.arrays)
+            elif message.op == STOP:
+                self.barrier()
+                log.info("distributed.stopped", process=self.lockstep.process)
+                return
+            else:
+                raise EngineError(f"the leader sent an unknown operation {message.op}")
+
+    def stop_followers(self) -> None:
+        """The leader at shutdown: the followers' ``follow`` returns."""
+        if self.lockstep is not None and self.lockstep.leader:
+            self.lockstep.send(STOP, ())
+            self.barrier()
 
     def shape_buckets(self) -> list[tuple[int, int]]:
         return [(t, w) for t in self.token_buckets for w in self.block_buckets]
@@ -622,6 +724,8 @@ class Engine:
             values = self._spec((size, *self.pool.shape[1:]), self.pool.dtype)
             self._program(("gather", size, 0), self._gather, self.pool, index)
             self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
+        if self.lockstep is not None:  # the messages that carry each call to the followers
+            self.lockstep.compile()
         if progress is not None:
             progress(total, total, f"swap copies: up to {self.page_buckets[-1]} pages")
         self._first_runs(shapes)
@@ -789,37 +893,81 @@ class Engine:
             ends = batch.positions[batch.sample_index[:count]] + 1
         scoring = None if decodes else self._prompt_targets(seqs, counts, starts, rows[:count])
         ints, floats = cache.sampling(rows[:seqs_bucket], ends)
-        history = self._histories(rows[:seqs_bucket], seqs, ends)
-        allowed = self._masks(seqs_bucket, masks)
+        newest = None
+        if sources is not None:
+            newest = np.full(seqs_bucket, -1, np.int32)
+            newest[:count] = sources
+        targets = most = None
+        if scoring is not None:
+            targets = np.full(self.token_buckets[-1], -1, np.int32)
+            targets[: len(scoring[0])] = scoring[0]
+            most = np.asarray(max(span[4] for span in scoring[1]), np.int32)
+        inputs = (
+            flat,
+            newest,
+            ints,
+            floats,
+            self._histories(rows[:seqs_bucket], seqs, ends),
+            self._masks(seqs_bucket, masks),
+            targets,
+            most,
+        )
+        started = time.perf_counter()
+        self._send(STEP, (tokens_bucket, width, seqs_bucket), inputs)
+        sampled, logprobs, top_ids, top_logprobs, scores = self._launch_step(
+            tokens_bucket, width, seqs_bucket, *inputs
+        )
+        # Prompt scores read this step's hidden states, which the next step's
+        # body overwrites: their program is dispatched with the step's.
+        prompt = None if scoring is None else partial(_prompt_scores, scores, scoring[1], count)
+        top = None
+        if cache.ints[rows[:count], SAMPLING_TOP].any():  # only then is the result read
+            top = top_ids, top_logprobs
+        return EngineStep(self, count, sampled, logprobs, top, prompt, decodes, entered, started)
+
+    def _launch_step(
+        self,
+        tokens_bucket: int,
+        width: int,
+        seqs_bucket: int,
+        flat: np.ndarray[Any, Any],
+        newest: np.ndarray[Any, Any] | None,
+        ints: np.ndarray[Any, Any],
+        floats: np.ndarray[Any, Any],
+        history: np.ndarray[Any, Any] | None,
+        allowed: np.ndarray[Any, Any] | None,
+        targets: np.ndarray[Any, Any] | None,
+        most: np.ndarray[Any, Any] | None,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """A step's device programs from its host inputs (what the leader
+        sends its followers): the decoder, the head and sampling, and the
+        prompt's scores when ``targets`` are given. None stands for a constant
+        made once on the device (no penalties, no grammar, no placeholders)."""
         body_program = self._body_program(tokens_bucket, width)
         head_program = self._head_program(seqs_bucket)
-        started = time.perf_counter()
         hidden, self._every_hidden, self.pool = body_program(
             self.params, self.pool, self._put(flat), self._every_hidden, self._previous
         )
-        newest = self._constant((seqs_bucket,))
-        if sources is not None:
-            padded = np.full(seqs_bucket, -1, np.int32)
-            padded[:count] = sources
-            newest = self._put(padded)
         sampled, logprobs, top_ids, top_logprobs = head_program(
             self.params,
             hidden,
             self._put(ints),
             self._put(floats),
-            history,
-            allowed,
+            self._device(history, (seqs_bucket, self.config.max_model_len)),
+            self._device(allowed, (seqs_bucket, self.mask_words)),
             self._previous,
-            newest,
+            self._device(newest, (seqs_bucket,)),
         )
         self._previous = sampled
-        # Prompt scores read this step's hidden states, which the next step's
-        # body overwrites: their program is dispatched now, read with the rest.
-        prompt = None if scoring is None else self._score_prompts(*scoring, count)
-        top = None
-        if cache.ints[rows[:count], SAMPLING_TOP].any():  # only then is the result read
-            top = top_ids, top_logprobs
-        return EngineStep(self, count, sampled, logprobs, top, prompt, decodes, entered, started)
+        scores = None
+        if targets is not None and most is not None:
+            program = self._score_program()
+            scores = program(self.params, self._every_hidden, self._put(targets), self._put(most))
+        return sampled, logprobs, top_ids, top_logprobs, scores
+
+    def _device(self, array: np.ndarray[Any, Any] | None, shape: tuple[int, ...]) -> Any:
+        """``array`` for a program, or the constant of -1s of ``shape`` if None."""
+        return self._constant(shape) if array is None else self._put(array)
 
     def _prompt_targets(
         self,
@@ -848,17 +996,6 @@ class Engine:
                 targets[offset : offset + stop - start] = seqs[i].tokens[start + 1 : stop + 1]
                 spans.append((i, offset, start, stop - start, int(wanted[i])))
         return (targets, spans) if spans else None
-
-    def _score_prompts(
-        self, targets: np.ndarray[Any, Any], spans: list[tuple[int, int, int, int, int]], count: int
-    ) -> Callable[[], list[PromptScores | None]]:
-        """Dispatch the scoring of ``spans``; returns what reads the scores."""
-        padded = np.full(self.token_buckets[-1], -1, np.int32)
-        padded[: len(targets)] = targets
-        most = np.asarray(max(span[4] for span in spans), np.int32)
-        program = self._score_program()
-        arrays = program(self.params, self._every_hidden, self._put(padded), self._put(most))
-        return partial(_prompt_scores, arrays, spans, count)
 
 
 def _prompt_scores(

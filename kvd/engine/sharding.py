@@ -17,15 +17,13 @@ KV heads than devices: Gemma 3 270M has one; or Gemma 4's mixed head
 shapes) it is replicated and every device writes the same K/V. Page ids,
 tables and swaps are the single-device engine's either way.
 
-Multi-host (design, not built): ``jax.distributed.initialize()`` on every
-host of a TPU slice makes ``jax.devices()`` span all chips; the same mesh
-code then shards across hosts, and every host runs the same program. kvd's
-single-process model becomes one kvd per host in lockstep: host 0 owns the
-HTTP API, the scheduler and the KV manager, and broadcasts each step's batch
-(the packed int32 buffer and sampling arrays, already one transfer) to the
-other hosts, which only execute the compiled step; sampled tokens come back
-from the replicated output. Admission, budgets and the pool bookkeeping stay
-on host 0, so the KV core needs no distribution of its own.
+Several hosts: ``jax.distributed.initialize()`` on every host of a slice
+makes ``jax.devices()`` span all chips, and the same mesh shards across
+hosts. Host 0 owns the HTTP API, the scheduler and the KV manager, and sends
+each step's host inputs to the other hosts (``kvd.engine.lockstep``), which
+run the same compiled programs; sampled tokens are read from the replicated
+output on host 0. Admission, budgets and the pool bookkeeping stay on host
+0, so the KV core needs no distribution of its own.
 """
 
 from __future__ import annotations
@@ -45,6 +43,18 @@ AXIS = "model"
 
 class ShardingError(ValueError):
     pass
+
+
+def check_processes(devices: int) -> None:
+    """Under several processes (``jax.distributed``) the model spans every
+    device of every process: a mesh over some of them would leave a process
+    with nothing to run, or split one process's devices between meshes."""
+    processes = jax.process_count()
+    if processes > 1 and devices != jax.device_count():
+        raise ShardingError(
+            f"tensor_parallel {devices} must equal the {jax.device_count()} devices of the "
+            f"{processes} processes ({jax.local_device_count()} each)"
+        )
 
 
 def make_mesh(devices: int) -> Mesh:

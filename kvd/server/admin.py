@@ -180,6 +180,7 @@ class Admin:
                 # What a router following the KV events indexes (global: full attention).
                 "findable_blocks": kv.findable_blocks(),
             },
+            "hosts": self.context.hosts,
             "state": {"file": str(self.store.path), "restored": self.restored},
             "engine_failures": self.failures,
             "budget_mode": str(kv.mode),

@@ -126,6 +126,21 @@ class KVEventsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     encoding: EventEncoding = EventEncoding.ARRAY
 
 
+class DistributedSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One kvd over several processes (the hosts of a slice), on JAX's
+    multi-controller runtime (docs/howto/multi-host.md). Every process runs
+    ``kvd serve`` with the same configuration; process 0 serves."""
+
+    # HOST:PORT where process 0 runs JAX's coordination service, or "auto":
+    # all three from the runtime (a TPU slice's metadata).
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int | None = None  # or kvd serve --process-id N
+    heartbeat_timeout: float = 10.0  # s without a process's heartbeats: it is lost
+    join_timeout: float = 300.0  # s to wait for every process to join
+    cpu_collectives: str = "gloo"  # between processes' CPU devices: "gloo" or "mpi"
+
+
 class PrefixEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     text: str | None = None  # tokenized like a prompt (with BOS)
@@ -156,6 +171,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scheduler: SchedulerSection = SchedulerSection()
     sharing: SharingSection = SharingSection()
     kv_events: KVEventsSection = KVEventsSection()
+    distributed: DistributedSection | None = None  # absent: one process
     tiers: list[str] = msgspec.field(default_factory=lambda: ["interactive", "batch"])
     prefixes: list[PrefixEntry] = msgspec.field(default_factory=list)
     tenants: list[TenantEntry] = msgspec.field(default_factory=list)
@@ -254,6 +270,8 @@ def validate(config: Config) -> None:
     if config.budget.preemption not in ("auto", "recompute", "swap"):
         raise ConfigError("budget.preemption: must be 'auto', 'recompute' or 'swap'")
     _kv_events(config.kv_events)
+    if config.distributed is not None:
+        _distributed(config.distributed)
     if not config.tiers or len(set(config.tiers)) != len(config.tiers):
         raise ConfigError("tiers: must be a non-empty list of distinct names")
     names: set[str] = set()
@@ -315,6 +333,20 @@ def _kv_events(section: KVEventsSection) -> None:
         raise ConfigError("kv_events.replay_endpoint: must differ from kv_events.endpoint")
     _positive("kv_events.buffer_steps", section.buffer_steps)
     _positive("kv_events.max_queue", section.max_queue)
+
+
+def _distributed(section: DistributedSection) -> None:
+    from kvd.server.distributed import resolve
+
+    _positive("distributed.heartbeat_timeout", section.heartbeat_timeout)
+    _positive("distributed.join_timeout", section.join_timeout)
+    if section.cpu_collectives not in ("gloo", "mpi"):
+        raise ConfigError(
+            f"distributed.cpu_collectives: {section.cpu_collectives!r} is not gloo or mpi"
+        )
+    # The id may come from the command line: checked here only when given.
+    placeholder = section.coordinator != "auto" and section.process_id is None
+    resolve(section, 0 if placeholder else None)
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:

@@ -296,6 +296,7 @@ class Daemon:
                     await self._stop.wait()
                     if self.failure is None:
                         await self.drain()
+                        await self._stop_followers(loaded)
                     else:
                         await self._let_answers_out()
                 else:
@@ -453,6 +454,7 @@ class Daemon:
         context.tokenizer = loaded.tokenizer
         context.vocab_size = loaded.vocab_size
         context.weight_bytes = loaded.weight_bytes
+        context.hosts = loaded.bytes_here
         context.quantization = loaded.quantization
         if self.kv_events is not None:
             kv = loaded.scheduler.kv
@@ -558,6 +560,14 @@ class Daemon:
         referenced = kv.referenced_pages()
         self.clean = referenced == 0
         log.info("lifecycle.drained", referenced_pages=referenced, clean=self.clean)
+
+    async def _stop_followers(self, loaded: Loaded) -> None:
+        """Several processes: the leader has drained; its followers stop now,
+        between steps (the step loop runs the call)."""
+        if loaded.stop_followers is None or self.runtime is None:
+            return
+        await self.runtime.call(loaded.stop_followers)
+        log.info("distributed.followers_stopped")
 
     def _arm_hard_deadline(self) -> None:
         deadline = self.config.server.drain_timeout + self.config.server.hard_deadline

@@ -121,14 +121,13 @@ def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
     return tokens, layout.page_bytes
 
 
-def load(
-    config: Config,
-    progress: Callable[[str, dict[str, Any]], None],
-    saved: LiveState | None = None,
-) -> Loaded:
-    """Everything before serving; runs in a worker thread. ``saved`` (the
-    persisted admin state) overrides the config's tenants, budget mode,
-    sharing policy and public prefixes."""
+def build_engine(
+    config: Config, progress: Callable[[str, dict[str, Any]], None]
+) -> tuple[Engine, LoadedModel, int]:
+    """The model loaded and the engine built (not yet compiled): (engine,
+    model, page bytes). Every process of a multi-host set builds the same
+    one; the pool's size is the leader's (``kvd.server.distributed.agree``),
+    since "auto" measures each host's own memory."""
     cfg = config.model
     progress("lifecycle.loading", {"source": cfg.source, "dtype": cfg.dtype})
     if cfg.source == "random":
@@ -141,6 +140,11 @@ def load(
             source = str(config.path(source))
         model = load_model(source, cfg.dtype, cfg.quantization)
     pool_tokens, page_bytes = _pool_tokens(config, model)
+    if config.distributed is not None:
+        from kvd.server import distributed
+
+        distributed.agree_on_config(config)
+        pool_tokens = int(distributed.agree("pool_tokens", str(pool_tokens)))
     # Compiled programs kept on disk: a restart reads them instead of compiling.
     compile_cache.enable_default()
     engine = Engine(
@@ -157,18 +161,31 @@ def load(
             attention=cfg.attention,
         ),
     )
-    pool_pages = engine.num_pages - 1  # the null page holds nothing
     progress(
         "lifecycle.pool",
         {
-            "pages": pool_pages,
+            "pages": engine.num_pages - 1,  # the null page holds nothing
             "page_bytes": page_bytes,
             "tokens_per_group": pool_tokens,
             "weight_bytes": model.weight_bytes,
             "quantization": model.quantization,
             "quantization_error": round(model.quantization_error, 6),
+            **engine.bytes_here(),
         },
     )
+    return engine, model, page_bytes
+
+
+def load(
+    config: Config,
+    progress: Callable[[str, dict[str, Any]], None],
+    saved: LiveState | None = None,
+) -> Loaded:
+    """Everything before serving; runs in a worker thread. ``saved`` (the
+    persisted admin state) overrides the config's tenants, budget mode,
+    sharing policy and public prefixes."""
+    engine, model, page_bytes = build_engine(config, progress)
+    pool_pages = engine.num_pages - 1
     live = saved or from_config(
         config, config_prefixes(config, model.tokenizer, model.config.vocab_size)
     )
@@ -207,4 +224,19 @@ def load(
         live,
         model.weight_bytes,
         model.quantization,
+        stop_followers=_stopper(engine) if engine.lockstep is not None else None,
+        bytes_here=engine.bytes_here(),
     )
+
+
+def _stopper(engine: Engine) -> Callable[[], None]:
+    """The leader's last device call: every follower stops (and the watch no
+    longer reports them as lost)."""
+
+    def stop() -> None:
+        from kvd.server import distributed
+
+        distributed.ending()
+        engine.stop_followers()
+
+    return stop

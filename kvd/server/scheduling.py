@@ -6,7 +6,8 @@ admin API and the in-process tests share it, none of them through JAX."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.engine.tokenizer import Tokenizer
@@ -31,6 +32,10 @@ class Loaded:
     live: LiveState  # what the admin API changes, as applied
     weight_bytes: int = 0  # the model's parameters (int8 weights: values, scales, offsets)
     quantization: str = "none"  # as loaded: "none" or "int8"
+    # Several processes: what stops the followers once the leader has drained.
+    stop_followers: Callable[[], None] | None = None
+    # Bytes of weights and pool on this host's devices (several hosts: each has its share).
+    bytes_here: dict[str, int] = field(default_factory=dict)
 
 
 def build_scheduler(

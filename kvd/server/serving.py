@@ -36,4 +36,6 @@ class ServerContext:
     max_n: int = DEFAULT_MAX_N
     weight_bytes: int = 0  # the loaded model's parameters, as held on the device
     quantization: str = "none"  # the weights' format as loaded ("auto" resolved)
+    # Processes and the weight and pool bytes each host's devices hold (Engine.bytes_here).
+    hosts: dict[str, int] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
