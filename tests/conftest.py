@@ -69,6 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # so the long ones start at once and the workers finish together.
 LONG_MODULES = (
     "tests/e2e/test_real_270m.py",
+    "tests/e2e/test_multihost.py",
     "tests/engine/test_tensor_parallel.py",
     "tests/server/test_processes.py",
     "tests/experiments/test_experiments.py",

@@ -101,10 +101,15 @@ class DaemonProcess:
     """A running ``kvd serve``; its log events are collected as they come."""
 
     def __init__(
-        self, config: Path, env: dict[str, str], ready_timeout: float = 300, wait_ready: bool = True
+        self,
+        config: Path,
+        env: dict[str, str],
+        ready_timeout: float = 300,
+        wait_ready: bool = True,
+        args: tuple[str, ...] = (),
     ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
