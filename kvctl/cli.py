@@ -20,8 +20,10 @@ import msgspec
 from kvctl import admin
 from kvd.clikit import FiniteFloat, SizeType, fail, run
 from kvd.kv.capacity import (
+    HIDDEN,
     PARAMETERS,
     SEED_OVERHEAD,
+    VOCAB,
     WEIGHT_FORMATS,
     CapacityReport,
     WeightsFit,
@@ -392,6 +394,20 @@ _POSITIVE = click.IntRange(min=1)
     f"{SEED_OVERHEAD / 2**30:.2f} GiB).",
 )
 @click.option("--parameters", type=_POSITIVE, help="Model parameters (default: the preset's).")
+@click.option(
+    "--devices",
+    type=_POSITIVE,
+    default=1,
+    show_default=True,
+    help="Devices the model is split over (tensor parallel; several hosts' chips "
+    "count alike), each of --device-memory.",
+)
+@click.option(
+    "--hidden-size",
+    type=_POSITIVE,
+    help="Hidden width: the embedding it sizes is kept whole on every device "
+    "(default: the preset's).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def capacity(
     model: str | None,
@@ -410,6 +426,8 @@ def capacity(
     device_memory: int | None,
     overhead: int | None,
     parameters: int | None,
+    devices: int,
+    hidden_size: int | None,
     as_json: bool,
 ) -> None:
     """What a KV pool holds for a model (offline; no daemon needed); with
@@ -430,9 +448,20 @@ def capacity(
         fits = None
         if weights is not None or device_memory is not None:
             fits = _weights_fits(
-                geometry, model, weights, device_memory, overhead, parameters, pool, block_size
+                geometry,
+                model,
+                weights,
+                device_memory,
+                overhead,
+                parameters,
+                pool,
+                block_size,
+                devices,
+                hidden_size,
             )
             pool = next(f.pool_bytes for f in fits if f.weights == weights)
+        elif devices > 1:
+            raise ValueError("--devices prices weights: give --weights and --device-memory")
         report = capacity_report(geometry, pool, block_size=block_size, context=context)
         if fits is not None:
             report = msgspec.structs.replace(report, weights=fits, weights_format=weights)
@@ -453,6 +482,8 @@ def _weights_fits(
     parameters: int | None,
     pool: int | None,
     block_size: int,
+    devices: int = 1,
+    hidden_size: int | None = None,
 ) -> list[WeightsFit]:
     if weights is None or device_memory is None:
         raise ValueError("--weights and --device-memory go together")
@@ -462,12 +493,23 @@ def _weights_fits(
         if model not in PARAMETERS:
             raise ValueError(f"no parameter count for {model or 'this model'}: give --parameters")
         parameters = PARAMETERS[model]
+    replicated = 0
+    if devices > 1:
+        hidden = hidden_size or HIDDEN.get(model or "")
+        if hidden is None:
+            raise ValueError(
+                f"no hidden width for {model or 'this model'}: give --hidden-size "
+                "(its embedding is kept whole on every device)"
+            )
+        replicated = VOCAB * hidden
     fits = weights_fits(
         geometry,
         parameters,
         device_memory,
         SEED_OVERHEAD if overhead is None else overhead,
         block_size,
+        devices,
+        replicated,
     )
     chosen = next(f for f in fits if f.weights == weights)
     if chosen.pool_bytes <= 0:
@@ -517,6 +559,30 @@ def _table(title: str, rows: list[tuple[str, str]]) -> list[str]:
     return ["", title] + [f"  {label:<{width}}  {value}" for label, value in rows]
 
 
+def _devices_table(fits: list[WeightsFit], chosen: str | None) -> list[str]:
+    first = fits[0]
+    where = (
+        "split over the devices by KV head"
+        if first.pool_split
+        else "a whole copy on every device (its KV heads do not split over them)"
+    )
+    rows = [
+        (
+            f.weights + (" (this report)" if f.weights == chosen else ""),
+            f"weights {format_iec(f.weight_bytes_per_device)} per device, pool "
+            f"{format_iec(f.pool_bytes_per_device)} per device ({format_iec(f.pool_bytes)} "
+            f"in all), {f.max_sequences_512:,} concurrent 512-token sequences",
+        )
+        for f in fits
+    ]
+    title = (
+        f"weights of {first.parameters / 1e9:.4g}B parameters over {first.devices} devices "
+        f"of {format_iec(first.device_memory)}, {format_iec(first.overhead_bytes)} kept for "
+        f"the runtime on each; the pool: {where}"
+    )
+    return _table(title, rows)
+
+
 def render_capacity(r: CapacityReport) -> str:
     bpt = r.bytes_per_token
     kinds = f"{r.global_layers} global"
@@ -538,7 +604,9 @@ def render_capacity(r: CapacityReport) -> str:
             eager = r.eager_sequence_bytes_at_context
             rows.append(("with the window eager", f"{format_iec(eager)} ({format_si(eager)})"))
         lines += _table(f"one sequence of {r.context:,} tokens", rows)
-    if r.weights:
+    if r.weights and r.weights[0].devices > 1:
+        lines += _devices_table(r.weights, r.weights_format)
+    elif r.weights:
         rows = [
             (
                 f.weights + (" (this report)" if f.weights == r.weights_format else ""),

@@ -177,3 +177,24 @@ def test_capacity_shows_what_int8_weights_buy_on_the_seeds_chip() -> None:
         "--weights", "int8", "--device-memory", "1GiB",
     )  # fmt: skip
     assert custom.returncode != 0 and "give --parameters" in custom.stderr
+
+
+def test_capacity_over_several_devices() -> None:
+    out = run(
+        "kvctl", "capacity", "--model", "gemma4-31b", "--weights", "bfloat16",
+        "--device-memory", "16GiB", "--devices", "8", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    fits = {f["weights"]: f for f in json.loads(out.stdout)["weights"]}
+    assert fits["bfloat16"]["devices"] == 8 and not fits["bfloat16"]["pool_split"]
+    assert fits["bfloat16"]["max_sequences_512"] > 0
+    human = run(
+        "kvctl", "capacity", "--model", "gemma4-31b", "--weights", "int8",
+        "--device-memory", "16GiB", "--devices", "8",
+    )  # fmt: skip
+    assert "over 8 devices of 16 GiB" in human.stdout and "per device" in human.stdout
+    bad = run("kvctl", "capacity", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
+              "--weights", "int8", "--device-memory", "16GiB", "--devices", "2",
+              "--parameters", "1000000")  # fmt: skip
+    assert bad.returncode != 0 and "give --hidden-size" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -40,7 +41,15 @@ MAX_DIMS = 4
 _DESCRIPTOR = 2 + MAX_DIMS  # dtype code, ndim, dims
 # The header's layout: [op, statics count, statics..., payload words, arrays count,
 # descriptors...]; a descriptor's dtype code -1 marks an absent (None) array.
-_DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.bool_))
+_DTYPES = (
+    np.dtype(np.int32),
+    np.dtype(np.float32),
+    np.dtype(np.int8),
+    np.dtype(np.bool_),
+    np.dtype(ml_dtypes.bfloat16),  # a bf16 pool's pages
+    np.dtype(np.float16),
+    np.dtype(np.uint8),
+)
 MIN_PAYLOAD = 1 << 12  # int32 words in the smallest payload bucket
 ABSENT = -1
 
@@ -142,7 +151,7 @@ def encode(
         if array is None:
             descriptor[0] = ABSENT
             continue
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")  # (ascontiguousarray makes a scalar 1-d)
         if array.dtype not in _DTYPES or array.ndim > MAX_DIMS:
             raise LockstepError(f"cannot carry a {array.dtype} array of {array.ndim} dimensions")
         descriptor[0], descriptor[1] = _DTYPES.index(array.dtype), array.ndim

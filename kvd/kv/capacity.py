@@ -30,7 +30,21 @@ PARAMETERS: dict[str, int] = {
     "gemma3-12b": 11_765_788_416,
     "gemma3-27b": 27_009_002_240,
     "gemma4-12b": 11_950_000_000,
+    # Its config: 60 layers of width 5,376, MLP 21,504, 32 heads; the
+    # published "31B" (30.7B) as the count.
+    "gemma4-31b": 30_700_000_000,
 }
+# Hidden width per preset: the tied embedding (VOCAB x width) is replicated
+# on every device under tensor parallelism (kvd.engine.sharding), the rest split.
+HIDDEN: dict[str, int] = {
+    "gemma3-270m": 640,
+    "gemma3-1b": 1152,
+    "gemma3-4b": 2560,
+    "gemma3-12b": 3840,
+    "gemma3-27b": 5376,
+    "gemma4-31b": 5376,
+}
+VOCAB = 262_144
 # Bytes per parameter: int8 values with an f32 scale per 32 (a GGUF Q8_0
 # block re-encoded; kvd.engine.wquant).
 WEIGHT_FORMATS: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4 / 32}
@@ -41,15 +55,28 @@ SEED_OVERHEAD = SEED_DEVICE_MEMORY - int(PARAMETERS["gemma4-12b"] * 2.0) - int(3
 
 
 class WeightsFit(msgspec.Struct, frozen=True):
-    """One weight format on one device: what is left to the KV pool."""
+    """One weight format on ``devices`` devices of ``device_memory`` bytes
+    each: what is left to the KV pool."""
 
     weights: str
     parameters: int
-    weight_bytes: int
-    device_memory: int
-    overhead_bytes: int  # the runtime and activations
-    pool_bytes: int
+    weight_bytes: int  # all of them, once
+    device_memory: int  # per device
+    overhead_bytes: int  # the runtime and activations, per device
+    pool_bytes: int  # the pool the allocator manages (over all devices when split)
     max_sequences_512: int  # concurrent 512-token sequences in that pool (kvd's allocator)
+    devices: int = 1
+    weight_bytes_per_device: int = 0  # the replicated embedding plus a share of the rest
+    pool_bytes_per_device: int = 0
+    pool_split: bool = False  # split by KV head over the devices, else one copy on each
+
+
+def pool_splits(geometry: KVGeometry, devices: int) -> bool:
+    """Whether the engine splits the pool over ``devices`` (by KV head:
+    every layer kind with the same KV shape, the heads dividing evenly;
+    kvd.engine.sharding.pool_layout) or keeps a whole copy on each."""
+    shapes = {(t.kv_heads, t.head_dim) for t in geometry.layer_types}
+    return devices > 1 and len(shapes) == 1 and next(iter(shapes))[0] % devices == 0
 
 
 def weights_fits(
@@ -58,16 +85,38 @@ def weights_fits(
     device_memory: int,
     overhead: int = SEED_OVERHEAD,
     block_size: int = 16,
+    devices: int = 1,
+    replicated_parameters: int = 0,
 ) -> list[WeightsFit]:
-    """Every weight format's pool on a device of ``device_memory`` bytes."""
+    """Every weight format's pool on ``devices`` devices of ``device_memory``
+    bytes, the model split over them by tensor parallelism:
+    ``replicated_parameters`` (the embedding) on every device, the rest
+    divided. The pool is what a device has left, times the devices when the
+    pool splits over them."""
     fits = []
+    split = pool_splits(geometry, devices)
     for name, per_parameter in WEIGHT_FORMATS.items():
         weight_bytes = int(parameters * per_parameter)
-        pool = device_memory - weight_bytes - overhead
+        per_device = int(
+            replicated_parameters * per_parameter
+            + (parameters - replicated_parameters) * per_parameter / devices
+        )
+        pool_here = max(device_memory - per_device - overhead, 0)
+        pool = pool_here * devices if split else pool_here
         sequences = max_sequences(geometry, pool, block_size, 512) if pool > 0 else 0
         fits.append(
             WeightsFit(
-                name, parameters, weight_bytes, device_memory, overhead, max(pool, 0), sequences
+                name,
+                parameters,
+                weight_bytes,
+                device_memory,
+                overhead,
+                pool,
+                sequences,
+                devices,
+                per_device,
+                pool_here,
+                split,
             )
         )
     return fits

@@ -247,6 +247,17 @@ PRESETS: dict[str, KVGeometry] = {
             LayerType(AttentionKind.SLIDING, 8, 256, 1024),
         ),
     ),
+    # Its config.json's text part: 60 layers, every sixth global; global
+    # layers 4 KV heads of 512 (K and V from one projection, both cached),
+    # sliding layers 16 of 256 with a 1,024-token window.
+    "gemma4-31b": KVGeometry(
+        "gemma4-31b",
+        interleaved_kinds(60, 6),
+        (
+            LayerType(AttentionKind.GLOBAL, 4, 512),
+            LayerType(AttentionKind.SLIDING, 16, 256, 1024),
+        ),
+    ),
 }
 
 

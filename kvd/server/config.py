@@ -336,8 +336,6 @@ def _kv_events(section: KVEventsSection) -> None:
 
 
 def _distributed(section: DistributedSection) -> None:
-    from kvd.server.distributed import resolve
-
     _positive("distributed.heartbeat_timeout", section.heartbeat_timeout)
     _positive("distributed.join_timeout", section.join_timeout)
     if section.cpu_collectives not in ("gloo", "mpi"):
@@ -346,7 +344,45 @@ def _distributed(section: DistributedSection) -> None:
         )
     # The id may come from the command line: checked here only when given.
     placeholder = section.coordinator != "auto" and section.process_id is None
-    resolve(section, 0 if placeholder else None)
+    resolve_distributed(section, 0 if placeholder else None)
+
+
+def resolve_distributed(
+    section: DistributedSection, process_id: int | None
+) -> tuple[str | None, int | None, int | None]:
+    """(coordinator, processes, this process's id) for
+    ``jax.distributed.initialize``: None where JAX is to read it from the
+    runtime (``coordinator = "auto"`` on a TPU slice). ConfigError, one line,
+    for a set it cannot start."""
+    pid = process_id if process_id is not None else section.process_id
+    if section.coordinator == "auto":
+        if section.num_processes or pid is not None:
+            raise ConfigError(
+                "distributed: with coordinator = 'auto' the process count and id come from "
+                "the runtime; leave num_processes, process_id and --process-id out"
+            )
+        return None, None, None
+    if not section.coordinator:
+        raise ConfigError(
+            "distributed.coordinator: missing (HOST:PORT of process 0, or 'auto' on a TPU slice)"
+        )
+    host, _, port = section.coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"distributed.coordinator: {section.coordinator!r} is not HOST:PORT or 'auto'"
+        )
+    if section.num_processes < 1:
+        raise ConfigError("distributed.num_processes: must be at least 1")
+    if pid is None:
+        raise ConfigError(
+            "distributed.process_id: missing (set it, or run kvd serve --process-id N)"
+        )
+    if not 0 <= pid < section.num_processes:
+        raise ConfigError(
+            f"distributed.process_id: {pid} is out of range for "
+            f"{section.num_processes} processes (0 to {section.num_processes - 1})"
+        )
+    return section.coordinator, section.num_processes, pid
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:

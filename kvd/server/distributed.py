@@ -31,7 +31,7 @@ import msgspec
 import structlog
 
 from kvd.server import systemd
-from kvd.server.config import Config, ConfigError, DistributedSection
+from kvd.server.config import Config, ConfigError, resolve_distributed
 
 if TYPE_CHECKING:
     from kvd.engine.engine import Engine
@@ -55,50 +55,12 @@ class Role(NamedTuple):
         return self.process == 0
 
 
-def resolve(
-    section: DistributedSection, process_id: int | None
-) -> tuple[str | None, int | None, int | None]:
-    """(coordinator, processes, this process's id) for
-    ``jax.distributed.initialize``: None where JAX is to read it from the
-    runtime (``coordinator = "auto"`` on a TPU slice). ConfigError, one line,
-    for a set it cannot start."""
-    pid = process_id if process_id is not None else section.process_id
-    if section.coordinator == "auto":
-        if section.num_processes or pid is not None:
-            raise ConfigError(
-                "distributed: with coordinator = 'auto' the process count and id come from "
-                "the runtime; leave num_processes, process_id and --process-id out"
-            )
-        return None, None, None
-    if not section.coordinator:
-        raise ConfigError(
-            "distributed.coordinator: missing (HOST:PORT of process 0, or 'auto' on a TPU slice)"
-        )
-    host, _, port = section.coordinator.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(
-            f"distributed.coordinator: {section.coordinator!r} is not HOST:PORT or 'auto'"
-        )
-    if section.num_processes < 1:
-        raise ConfigError("distributed.num_processes: must be at least 1")
-    if pid is None:
-        raise ConfigError(
-            "distributed.process_id: missing (set it, or run kvd serve --process-id N)"
-        )
-    if not 0 <= pid < section.num_processes:
-        raise ConfigError(
-            f"distributed.process_id: {pid} is out of range for "
-            f"{section.num_processes} processes (0 to {section.num_processes - 1})"
-        )
-    return section.coordinator, section.num_processes, pid
-
-
 def start(config: Config, process_id: int | None) -> Role:
     """Join the set (blocks until every process has): JAX's runtime, then the
     check that the model spans every device. ConfigError on a bad set."""
     section = config.distributed
     assert section is not None
-    coordinator, processes, pid = resolve(section, process_id)
+    coordinator, processes, pid = resolve_distributed(section, process_id)
     import jax
 
     # Collectives between processes' CPU devices (tests, development): gloo.

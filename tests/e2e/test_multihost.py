@@ -176,6 +176,12 @@ def test_two_processes_serve_as_one(tmp_path: Path, daemon_env: dict[str, str]) 
             with ThreadPoolExecutor(MAX_SEQS) as clients:
                 replies = list(clients.map(greedy, prompts))
             first, again = greedy(long_prompt, LONG_TOKENS), greedy(long_prompt, LONG_TOKENS)
+            # The prompt's own logprobs: a step whose scoring program the followers run too.
+            echoed = oai.completions.create(
+                model=MODEL, prompt=prompts[0], max_tokens=1, echo=True, logprobs=1
+            )
+        assert echoed.choices[0].logprobs is not None
+        assert len(echoed.choices[0].logprobs.token_logprobs or []) == len(prompts[0]) + 1
         for prompt, reply, tokens in zip(
             PROMPTS + [LONG], [*replies, first], reference, strict=True
         ):

@@ -96,3 +96,40 @@ def test_parameter_counts_are_the_engine_presets() -> None:
         assert (
             PARAMETERS[name] == config.vocab_size * config.hidden_size + config.hidden_size + layers
         )
+
+
+def test_hidden_widths_are_the_engine_presets() -> None:
+    from kvd.engine.config import PRESETS
+    from kvd.kv.capacity import HIDDEN, VOCAB
+
+    for name, config in PRESETS.items():
+        assert HIDDEN[name] == config.hidden_size and config.vocab_size == VOCAB, name
+
+
+def test_a_model_over_several_devices() -> None:
+    """The embedding on every device, the rest divided; the pool split over
+    the devices only where every layer kind's KV heads divide over them."""
+    from kvd.kv.capacity import GIB, HIDDEN, PARAMETERS, VOCAB, pool_splits, weights_fits
+
+    geometry = preset("gemma4-31b")
+    assert not pool_splits(geometry, 8)  # 4 global KV heads of 512, 16 sliding of 256
+    assert pool_splits(preset("gemma3-27b"), 8) and not pool_splits(preset("gemma3-27b"), 32)
+    embed = VOCAB * HIDDEN["gemma4-31b"]
+    memory, overhead = 16 * GIB, 2 * GIB
+    one = weights_fits(geometry, PARAMETERS["gemma4-31b"], memory, overhead)
+    eight = weights_fits(geometry, PARAMETERS["gemma4-31b"], memory, overhead, 16, 8, embed)
+    bf16 = next(f for f in eight if f.weights == "bfloat16")
+    assert bf16.weight_bytes_per_device == int(
+        2 * embed + 2 * (PARAMETERS["gemma4-31b"] - embed) / 8
+    )
+    assert (
+        bf16.pool_bytes
+        == bf16.pool_bytes_per_device
+        == memory - bf16.weight_bytes_per_device - overhead
+    )
+    assert bf16.max_sequences_512 > 0
+    assert next(f for f in one if f.weights == "bfloat16").pool_bytes == 0  # 57 GiB on one chip
+    split = weights_fits(
+        preset("gemma3-27b"), PARAMETERS["gemma3-27b"], memory, overhead, 16, 8, embed
+    )
+    assert all(f.pool_bytes == 8 * f.pool_bytes_per_device for f in split)
