@@ -81,7 +81,9 @@ class Lockstep:
         self.process = jax.process_index()
         self.processes = jax.process_count()
         self.leader = self.process == 0
-        devices = np.array(jax.devices()).reshape(self.processes, jax.local_device_count())
+        # One row of devices per process (ids need not be grouped by process).
+        ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        devices = np.array(ordered).reshape(self.processes, jax.local_device_count())
         mesh = Mesh(devices, ("processes", "local"))
         self._rows = NamedSharding(mesh, P("processes"))
         self._everywhere = NamedSharding(mesh, P())

@@ -12,8 +12,13 @@ after warm-up: a shape no bucket covers), engine.compile_cache_unusable,
 engine.compile_cache_entry_dropped, kv_events.resync (the publisher's
 queue was full), kv_events.send_failed, kv_events.bad_replay_request,
 lifecycle.kv_events, admin.audit, admin.socket_lost,
-admin.socket_restored, admin.socket_rebind_failed. Prompt and completion
-text appear only when ``server.log_prompts`` is on.
+admin.socket_restored, admin.socket_rebind_failed; several processes
+(docs/howto/multi-host.md): distributed.joining, distributed.joined,
+distributed.following (a follower is ready), distributed.followers_stopped
+(the leader, after its drain), distributed.stopped (a follower told to
+stop), distributed.process_lost (one line naming the lost processes, then
+exit 1), distributed.follower_failed. Prompt and completion text appear only
+when ``server.log_prompts`` is on.
 """
 
 from __future__ import annotations
