@@ -19,7 +19,6 @@ supervisor restarts every host. Docs: docs/howto/multi-host.md.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import sys
@@ -27,10 +26,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import msgspec
 import structlog
 
-from kvd.server import systemd
+from kvd.server import coordination, systemd
 from kvd.server.config import Config, ConfigError, resolve_distributed
 
 if TYPE_CHECKING:
@@ -40,10 +38,6 @@ log = structlog.get_logger("kvd.distributed")
 
 EXIT_LOST = 1  # a process of the set was lost, or this one failed
 WATCH_INTERVAL_S = 1.0
-# How long a follower waits for the leader's figures (the leader is loading
-# the model meanwhile), in milliseconds.
-AGREE_TIMEOUT_MS = 30 * 60 * 1000
-_KEY = "kvd/"
 
 
 class Role(NamedTuple):
@@ -103,47 +97,6 @@ def start(config: Config, process_id: int | None) -> Role:
     return role
 
 
-def config_digest(config: Config) -> str:
-    """What every process must load alike: the model section and the pool's
-    block size (the rest is the leader's alone)."""
-    shared = {"model": config.model, "block_size": config.pool.block_size}
-    return hashlib.sha256(msgspec.json.encode(shared)).hexdigest()[:16]
-
-
-def agree(name: str, value: str | None = None) -> str:
-    """The leader's ``value`` for ``name``, on every process: the leader
-    publishes it in JAX's coordination service, the others wait for it."""
-    import jax
-    from jax._src import distributed as jax_distributed
-
-    client = jax_distributed.global_state.client
-    assert client is not None  # start() joined the set
-    if jax.process_index() == 0:
-        assert value is not None
-        client.key_value_set(_KEY + name, value)
-        return value
-    return str(client.blocking_key_value_get(_KEY + name, AGREE_TIMEOUT_MS))
-
-
-def agree_on_config(config: Config) -> None:
-    """Stop a follower whose model or pool settings are not the leader's."""
-    mine = config_digest(config)
-    leaders = agree("config", mine)
-    if leaders != mine:
-        raise ConfigError(
-            "distributed: this process's [model] or pool.block_size differs from process 0's; "
-            "every process runs with the same configuration"
-        )
-
-
-_ending = threading.Event()  # this process stops the set, or was told to stop
-
-
-def ending() -> None:
-    """From now on processes leave on purpose: the watch stops reporting them."""
-    _ending.set()
-
-
 def watch(role: Role) -> threading.Thread:
     """A thread that ends this process, with one line, when the coordination
     service reports another process lost."""
@@ -159,11 +112,11 @@ def watch(role: Role) -> threading.Thread:
             try:
                 live = set(client.get_live_nodes(everyone))
             except Exception as exc:  # noqa: BLE001  # the service itself is gone
-                if not _ending.is_set():
+                if not coordination.is_ending():
                     lost(role, [0], f"the coordination service is unreachable: {exc}")
                 return
             missing = [p for p in everyone if p not in live]
-            if missing and not _ending.is_set():
+            if missing and not coordination.is_ending():
                 lost(role, missing, "stopped sending heartbeats (died, hung or unreachable)")
                 return
 
@@ -246,7 +199,7 @@ def run_follower(config: Config, role: Role) -> int:
 def _follow(engine: Engine, failure: list[BaseException]) -> None:
     try:
         engine.follow()
-        ending()
+        coordination.ending()
     except BaseException as exc:  # noqa: BLE001  # reported by the main thread
         failure.append(exc)
 

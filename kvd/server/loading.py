@@ -14,6 +14,7 @@ from kvd.engine import compile_cache
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
 from kvd.kv.layout import build_layout
+from kvd.server import coordination
 from kvd.server.config import Config, ConfigError
 from kvd.server.scheduling import Loaded, build_scheduler, config_prefixes
 from kvd.server.state import LiveState, from_config
@@ -141,10 +142,8 @@ def build_engine(
         model = load_model(source, cfg.dtype, cfg.quantization)
     pool_tokens, page_bytes = _pool_tokens(config, model)
     if config.distributed is not None:
-        from kvd.server import distributed
-
-        distributed.agree_on_config(config)
-        pool_tokens = int(distributed.agree("pool_tokens", str(pool_tokens)))
+        coordination.agree_on_config(config)
+        pool_tokens = int(coordination.agree("pool_tokens", str(pool_tokens)))
     # Compiled programs kept on disk: a restart reads them instead of compiling.
     compile_cache.enable_default()
     engine = Engine(
@@ -234,9 +233,7 @@ def _stopper(engine: Engine) -> Callable[[], None]:
     longer reports them as lost)."""
 
     def stop() -> None:
-        from kvd.server import distributed
-
-        distributed.ending()
+        coordination.ending()
         engine.stop_followers()
 
     return stop
