@@ -263,6 +263,25 @@ def _place_in_place(tree: Any) -> Any:
     return tree
 
 
+def _place_sharded(params: Any, shardings: Any) -> Any:
+    """The weights placed by ``shardings`` (a prefix of their tree). Under
+    several processes each process makes only its own devices' shards from
+    its host copy: ``device_put`` would first all-gather every weight to
+    check that the processes agree (a 31B model's embedding, several times
+    over, on every device)."""
+    if jax.process_count() == 1:
+        return jax.device_put(params, shardings)
+
+    def place(sharding: Any, subtree: Any) -> Any:
+        def one(array: Any) -> Any:
+            host = np.asarray(array)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        return jax.tree.map(one, subtree)
+
+    return jax.tree.map(place, shardings, params)
+
+
 def engine_kv_dtype(name: str) -> str:
     """The canonical pool dtype for ``name``, or EngineError naming what is supported."""
     try:
@@ -358,7 +377,7 @@ class Engine:
                 raise EngineError(str(exc)) from None
             param_sharding = sharding.param_shardings(model.config, params, self.mesh)
             self._replicated = sharding.replicated(self.mesh)
-            self.params = jax.device_put(params, param_sharding)
+            self.params = _place_sharded(params, param_sharding)
             geometry = self.layout.geometry
             pool_shape, pool_sharding = sharding.pool_layout(
                 model.config,
@@ -533,7 +552,7 @@ class Engine:
         grammar (all-ones bitmasks), so nothing is sent per step."""
         array = self._minus_ones.get(shape)
         if array is None:
-            array = jax.device_put(np.full(shape, -1, np.int32), self._replicated)
+            array = self._put(np.full(shape, -1, np.int32))
             self._minus_ones[shape] = array
         return array
 
@@ -574,6 +593,10 @@ class Engine:
         """
         if self._replicated is None:
             return array
+        if jax.process_count() > 1:
+            # Every process passes the same buffer (the lockstep sees to it):
+            # device_put would check that with a blocking all-gather per buffer.
+            return jax.make_array_from_process_local_data(self._replicated, array, array.shape)
         return jax.device_put(array, self._replicated)
 
     def _spec(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -678,7 +701,8 @@ class Engine:
     def stop_followers(self) -> None:
         """The leader at shutdown: the followers' ``follow`` returns."""
         if self.lockstep is not None and self.lockstep.leader:
-            self.lockstep.send(STOP, ())
+            # Waited for: every follower has its stop before the leader leaves.
+            jax.block_until_ready(self.lockstep.send(STOP, ()))
             self.barrier()
 
     def shape_buckets(self) -> list[tuple[int, int]]:

@@ -115,13 +115,15 @@ class Lockstep:
 
     # -- the leader ----------------------------------------------------------------
 
-    def send(self, op: int, statics: tuple[int, ...], arrays: tuple[Any, ...] = ()) -> None:
-        """Send one message (the leader only; returns without waiting for it)."""
+    def send(self, op: int, statics: tuple[int, ...], arrays: tuple[Any, ...] = ()) -> Any:
+        """Send one message (the leader only). Returns without waiting for it:
+        what is returned is ready once every follower has it."""
         header, payload = encode(op, statics, arrays, self.buckets)
-        self._carry(header)
+        carried = self._carry(header)
         if payload is not None:
-            self._carry(payload)
+            carried = self._carry(payload)
         self.messages += 1
+        return carried
 
     # -- a follower ------------------------------------------------------------------
 
