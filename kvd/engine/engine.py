@@ -752,7 +752,11 @@ class Engine:
             self.lockstep.compile()
         if progress is not None:
             progress(total, total, f"swap copies: up to {self.page_buckets[-1]} pages")
+        if self.lockstep is not None:  # every process compiled: the collectives may start
+            self.lockstep.meet("compiled")
         self._first_runs(shapes)
+        if self.lockstep is not None:  # the leader's first message finds every follower there
+            self.lockstep.meet("warm")
         _release_free_heap()
         self._warm = True
         return time.perf_counter() - start

@@ -51,6 +51,9 @@ _DTYPES = (
     np.dtype(np.uint8),
 )
 MIN_PAYLOAD = 1 << 12  # int32 words in the smallest payload bucket
+# How long a process waits at a barrier for the others (one may still be
+# compiling: minutes on a large model).
+BARRIER_TIMEOUT_MS = 60 * 60 * 1000
 ABSENT = -1
 
 
@@ -91,6 +94,17 @@ class Lockstep:
         self.buckets = payload_buckets(max(HEADER, largest_words))
         self._programs: dict[int, Any] = {}
         self.messages = 0
+
+    def meet(self, name: str) -> None:
+        """Wait until every process gets here, through JAX's coordination
+        service (no collective). Before a process's first collectives: a
+        collective's first use sets up its communicators and gives the peers
+        only 30 s to join, so a process still compiling would fail it."""
+        from jax._src import distributed as jax_distributed
+
+        client = jax_distributed.global_state.client
+        assert client is not None
+        client.wait_at_barrier(f"kvd/{name}", BARRIER_TIMEOUT_MS)
 
     def compile(self) -> None:
         """Compile the header's and every payload bucket's program (warm-up)."""
