@@ -137,9 +137,9 @@ def render_status(s: dict[str, Any]) -> str:
     hosts = s.get("hosts") or {}
     if hosts.get("processes", 1) > 1:
         lines.append(
-            f"{hosts['processes']} hosts in lockstep, each holding weights "
+            f"{hosts['processes']} hosts in lockstep; host 0's devices hold weights "
             f"{hosts['weight_bytes_per_host'] / 2**20:.0f} MiB and pool "
-            f"{hosts['pool_bytes_per_host'] / 2**20:.0f} MiB"
+            f"{hosts['pool_bytes_per_host'] / 2**20:.0f} MiB (each host its share)"
         )
     host = s.get("host")
     if host and host["pages"]:
