@@ -1,7 +1,7 @@
 """One kvd over several processes (the hosts of a slice), on JAX's
-multi-controller runtime: starting it from ``[distributed]``, what the
-processes agree on before they load, the watch that ends every process when
-one is lost, and a follower's life.
+multi-controller runtime: starting it from ``[distributed]``, the watch that
+ends every process when one is lost, and a follower's life (what the
+processes agree on before they load: ``kvd.server.coordination``).
 
 Process 0, the leader, is the daemon (``kvd.server.daemon``): the HTTP API,
 the admin socket, the scheduler and the KV manager. Every other process, a
