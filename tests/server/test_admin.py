@@ -47,6 +47,20 @@ async def test_kvctl_status_top_and_usage_errors(tmp_path: Path) -> None:
         human = await kvctl(served, "status")
         assert human.returncode == 0 and b"TENANT" in human.stdout and b"alice" in human.stdout
         assert b"weights float32, KV float32" in human.stdout, human.stdout
+        assert b"hosts in lockstep" not in human.stdout  # one process
+        # Several processes (docs/howto/multi-host.md): what host 0's devices hold.
+        served.daemon.context.hosts = {
+            "processes": 2,
+            "weight_bytes_per_host": 300 << 20,
+            "pool_bytes_per_host": 128 << 20,
+        }
+        hosts = await kvctl(served, "status")
+        assert b"2 hosts in lockstep; host 0's devices hold weights 300 MiB and pool 128 MiB" in (
+            hosts.stdout
+        ), hosts.stdout
+        assert (
+            json.loads((await kvctl(served, "status", "--json")).stdout)["hosts"]["processes"] == 2
+        )
         top = await kvctl(served, "top", "--iterations", "2", "--interval", "0.1")
         assert top.returncode == 0 and top.stdout.count(b"TENANT") == 2
         usage = await kvctl(served, "tenant", "set", "bob")
