@@ -748,12 +748,11 @@ class Engine:
             values = self._spec((size, *self.pool.shape[1:]), self.pool.dtype)
             self._program(("gather", size, 0), self._gather, self.pool, index)
             self._program(("scatter", size, 0), self._scatter, self.pool, index, values)
-        if self.lockstep is not None:  # the messages that carry each call to the followers
-            self.lockstep.compile()
         if progress is not None:
             progress(total, total, f"swap copies: up to {self.page_buckets[-1]} pages")
-        if self.lockstep is not None:  # every process compiled: the collectives may start
-            self.lockstep.meet("compiled")
+        if self.lockstep is not None:
+            self.lockstep.compile()  # the messages that carry each call to the followers
+            self.lockstep.meet("compiled")  # every process compiled: the collectives may start
         self._first_runs(shapes)
         if self.lockstep is not None:  # the leader's first message finds every follower there
             self.lockstep.meet("warm")

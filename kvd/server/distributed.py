@@ -166,12 +166,8 @@ def run_follower(config: Config, role: Role) -> int:
         log.info(event, **fields)
 
     engine, _, _ = build_engine(config, progress)
-    started = time.monotonic()
-    engine.warm_up()
-    progress(
-        "lifecycle.warm",
-        {"seconds": round(time.monotonic() - started, 2), "programs": engine.compiled_shapes()},
-    )
+    seconds = engine.warm_up()
+    progress("lifecycle.warm", {"seconds": round(seconds, 2), "programs": engine.compiled_shapes()})
     failure: list[BaseException] = []
     thread = threading.Thread(
         target=_follow, args=(engine, failure), name="kvd-follower", daemon=True

@@ -127,7 +127,7 @@ def build_engine(
 ) -> tuple[Engine, LoadedModel, int]:
     """The model loaded and the engine built (not yet compiled): (engine,
     model, page bytes). Every process of a multi-host set builds the same
-    one; the pool's size is the leader's (``kvd.server.distributed.agree``),
+    one; the pool's size is the leader's (``kvd.server.coordination.agree``),
     since "auto" measures each host's own memory."""
     cfg = config.model
     progress("lifecycle.loading", {"source": cfg.source, "dtype": cfg.dtype})
