@@ -66,21 +66,36 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 # A sequence's sampling row. Ints: top_k, seed, position, logprobs wanted,
 # the position from which end tokens may be sampled (min_tokens), how many
 # alternatives' logprobs, where the prompt ends, how many alternatives of the
-# prompt's own logprobs (-1: not asked), stop ids, biased token ids.
+# prompt's own logprobs (-1: not asked), stop ids.
 # Floats: temperature, top_p, min_p, the presence, frequency and repetition
-# penalties, the biases. A row without biases holds -1 ids; the device step
-# skips biases when no row has one.
+# penalties.
+# Logit biases live apart (``SequenceRows.bias``, a row of MAX_LOGIT_BIAS
+# token ids then as many f32 biases as their bits; -1 ids where unused): a
+# step sends them only when one of its rows has some, so the rows a step
+# copies every step are 24 ints and 6 floats, not 2.5 KB each.
 SAMPLING_MIN_END = 4
 SAMPLING_TOP = 5
 SAMPLING_PROMPT = 6
 SAMPLING_SCORE = 7
 SAMPLING_STOP = 8
-SAMPLING_BIAS = SAMPLING_STOP + MAX_STOP_IDS
-SAMPLING_INTS = SAMPLING_BIAS + MAX_LOGIT_BIAS
+SAMPLING_INTS = SAMPLING_STOP + MAX_STOP_IDS
 SAMPLING_PENALTIES = 3  # presence, frequency, repetition
-SAMPLING_FLOAT_BIAS = 6
-SAMPLING_FLOATS = SAMPLING_FLOAT_BIAS + MAX_LOGIT_BIAS
+SAMPLING_FLOATS = 6
+BIAS_WIDTH = 2 * MAX_LOGIT_BIAS  # a bias row: token ids, then the biases' bits
 NEUTRAL_PENALTIES = (0.0, 0.0, 1.0)
+
+
+def _neutral_bias(rows: int) -> np.ndarray[Any, Any]:
+    """``rows`` bias rows that bias nothing: -1 ids, zero biases."""
+    bias = np.zeros((rows, BIAS_WIDTH), np.int32)
+    bias[:, :MAX_LOGIT_BIAS] = -1
+    return bias
+
+
+def _grown(old: np.ndarray[Any, Any], rows: int, new: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``new`` (``rows`` long, the neutral value) with ``old``'s rows first."""
+    new[: len(old)] = old
+    return new
 
 
 def write_table_row(
@@ -137,10 +152,15 @@ class SequenceRows:
         self.tables = np.zeros((groups, 1, width), np.int32)
         self.ints = np.zeros((1, SAMPLING_INTS), np.int32)
         self.floats = np.zeros((1, SAMPLING_FLOATS), np.float32)
+        # Logit biases ([rows, BIAS_WIDTH], allocated when a first sequence
+        # asks), and per row whether it has some, penalties, or top logprobs:
+        # what a step asks of its rows, one gather each.
+        self.bias: np.ndarray[Any, Any] | None = None
+        self.biased = np.zeros(1, np.bool_)
+        self.penalties = np.zeros(1, np.bool_)
         self.stamps = np.zeros(1, np.int64)  # the table version each row holds
         # The last step's gathered sampling rows: steady decode asks for the
-        # same rows step after step, and gathering ~1.2 KiB per row costs
-        # about a third of a microsecond per row per step.
+        # same rows step after step.
         self._gathered: tuple[bytes, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
         self.serials = np.zeros(1, np.int64)  # the sequence whose sampling each row holds
         self._seeds = np.random.default_rng()
@@ -157,6 +177,10 @@ class SequenceRows:
         floats[:, 1] = 1.0  # top_p off
         floats[:, SAMPLING_PENALTIES : SAMPLING_PENALTIES + 3] = NEUTRAL_PENALTIES
         floats[: len(self.floats)] = self.floats
+        if self.bias is not None:
+            self.bias = _grown(self.bias, rows, _neutral_bias(rows))
+        self.biased = _grown(self.biased, rows, np.zeros(rows, np.bool_))
+        self.penalties = _grown(self.penalties, rows, np.zeros(rows, np.bool_))
         filled = np.zeros(rows, np.int64)
         filled[: len(self.filled)] = self.filled
         self.filled = filled
@@ -260,11 +284,20 @@ class SequenceRows:
             params.frequency_penalty,
             params.repetition_penalty,
         )
-        floats[SAMPLING_FLOAT_BIAS:] = 0.0
+        self.penalties[row] = bool(
+            (floats[SAMPLING_PENALTIES : SAMPLING_PENALTIES + 3] != NEUTRAL_PENALTIES).any()
+        )
+        self.biased[row] = bool(params.logit_bias)
         if params.logit_bias:
+            if self.bias is None:
+                self.bias = _neutral_bias(len(self.ints))
             ids, biases = zip(*params.logit_bias, strict=True)
-            ints[SAMPLING_BIAS : SAMPLING_BIAS + len(ids)] = ids
-            floats[SAMPLING_FLOAT_BIAS : SAMPLING_FLOAT_BIAS + len(ids)] = biases
+            self.bias[row] = _neutral_bias(1)[0]
+            self.bias[row, : len(ids)] = ids
+            values = np.asarray(biases, np.float32).view(np.int32)
+            self.bias[row, MAX_LOGIT_BIAS : MAX_LOGIT_BIAS + len(ids)] = values
+        elif self.bias is not None:
+            self.bias[row] = _neutral_bias(1)[0]  # no earlier sequence's biases
 
     def sampling(
         self, rows: np.ndarray[Any, Any], positions: np.ndarray[Any, Any]
@@ -283,8 +316,14 @@ class SequenceRows:
 
     def penalized(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """Which of ``rows`` have a penalty (bool per row)."""
-        values = self.floats[rows, SAMPLING_PENALTIES : SAMPLING_PENALTIES + 3]
-        return (values != NEUTRAL_PENALTIES).any(axis=1)  # type: ignore[no-any-return]
+        return self.penalties[rows]
+
+    def biases(self, rows: np.ndarray[Any, Any], count: int) -> np.ndarray[Any, Any] | None:
+        """The logit bias rows of ``rows`` (a sequence bucket's, its first
+        ``count`` the step's sequences), or None when none of them has a bias."""
+        if self.bias is None or not self.biased[rows[:count]].any():
+            return None
+        return self.bias[rows]
 
     def histories(
         self, rows: np.ndarray[Any, Any], seqs: Seq[Sequence], ends: np.ndarray[Any, Any]

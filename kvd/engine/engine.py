@@ -25,8 +25,7 @@ import structlog
 
 from kvd import faults
 from kvd.engine.batching import (
-    SAMPLING_BIAS,
-    SAMPLING_FLOAT_BIAS,
+    BIAS_WIDTH,
     SAMPLING_FLOATS,
     SAMPLING_INTS,
     SAMPLING_MIN_END,
@@ -60,7 +59,7 @@ from kvd.engine.model import (
     normed_logits,
     prepare_params,
 )
-from kvd.engine.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
+from kvd.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingBatch, sample
 from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.layout import build_layout
 from kvd.kv.manager import KVManager, StepColumns
@@ -191,6 +190,7 @@ def head_and_sample(
     allowed: jax.Array,
     previous: jax.Array,
     newest: jax.Array,
+    bias: jax.Array,
     *,
     seqs: int,
 ) -> tuple[jax.Array, ...]:
@@ -198,7 +198,9 @@ def head_and_sample(
     the final norm), from packed sampling arrays
     (one ``SequenceRows`` sampling row per sequence), the token histories
     ``[S, H]`` (read only when a row has a penalty), the structured-output
-    token bitmasks ``[S, W]`` (applied only when a row is not all ones), and
+    token bitmasks ``[S, W]`` (applied only when a row is not all ones), the
+    logit bias rows ``[S, BIAS_WIDTH]`` (ids, then the biases' bits; -1 ids
+    bias nothing), and
     per row the row of ``previous`` (the last step's sampled tokens) holding
     its newest token, which the host's history lacks while that step is in
     flight, or -1."""
@@ -210,12 +212,12 @@ def head_and_sample(
         top_p=floats[:, 1],
         seeds=jax.lax.bitcast_convert_type(ints[:, 1], jnp.uint32),
         positions=ints[:, 2],
-        stop_ids=ints[:, SAMPLING_STOP:SAMPLING_BIAS],
+        stop_ids=ints[:, SAMPLING_STOP:],
         want_logprobs=ints[:, 3].astype(jnp.bool_),
         min_p=floats[:, 2],
         min_end=ints[:, SAMPLING_MIN_END],
-        bias_ids=ints[:, SAMPLING_BIAS:],
-        biases=floats[:, SAMPLING_FLOAT_BIAS:],
+        bias_ids=bias[:, :MAX_LOGIT_BIAS],
+        biases=jax.lax.bitcast_convert_type(bias[:, MAX_LOGIT_BIAS:], jnp.float32),
         top_count=ints[:, SAMPLING_TOP],
         prompt_end=ints[:, SAMPLING_PROMPT],
         presence=floats[:, SAMPLING_PENALTIES],
@@ -575,12 +577,8 @@ class Engine:
         flat = tokens + sum(
             math.prod(shape) for shape in batch_shapes(tokens, seqs, width, self.layout.num_groups)
         )
-        step = (
-            flat
-            + seqs * (SAMPLING_INTS + SAMPLING_FLOATS + 1 + cfg.max_model_len + self.mask_words)
-            + tokens
-            + 1
-        )
+        per_seq = SAMPLING_INTS + SAMPLING_FLOATS + BIAS_WIDTH + 1
+        step = flat + seqs * (per_seq + cfg.max_model_len + self.mask_words) + tokens + 1
         pages = self.page_buckets[-1]
         copy = pages + pages * self.layout.page_bytes // 4
         return max(step, copy) + 16
@@ -808,6 +806,7 @@ class Engine:
         allowed = self._spec((seqs, self.mask_words), jnp.int32)
         previous = self._spec((self.config.max_num_seqs,), jnp.int32)
         newest = self._spec((seqs,), jnp.int32)
+        bias = self._spec((seqs, BIAS_WIDTH), jnp.int32)
         return self._program(
             ("head", seqs, 0),
             self._head,
@@ -819,6 +818,7 @@ class Engine:
             allowed,
             previous,
             newest,
+            bias,
             seqs=seqs,
         )
 
@@ -936,6 +936,7 @@ class Engine:
             floats,
             self._histories(rows[:seqs_bucket], seqs, ends),
             self._masks(seqs_bucket, masks),
+            cache.biases(rows[:seqs_bucket], count),
             targets,
             most,
         )
@@ -963,13 +964,15 @@ class Engine:
         floats: np.ndarray[Any, Any],
         history: np.ndarray[Any, Any] | None,
         allowed: np.ndarray[Any, Any] | None,
+        bias: np.ndarray[Any, Any] | None,
         targets: np.ndarray[Any, Any] | None,
         most: np.ndarray[Any, Any] | None,
     ) -> tuple[Any, Any, Any, Any, Any]:
         """A step's device programs from its host inputs (what the leader
         sends its followers): the decoder, the head and sampling, and the
         prompt's scores when ``targets`` are given. None stands for a constant
-        made once on the device (no penalties, no grammar, no placeholders)."""
+        made once on the device (no penalties, no grammar, no placeholders,
+        no logit biases)."""
         body_program = self._body_program(tokens_bucket, width)
         head_program = self._head_program(seqs_bucket)
         hidden, self._every_hidden, self.pool = body_program(
@@ -984,6 +987,7 @@ class Engine:
             self._device(allowed, (seqs_bucket, self.mask_words)),
             self._previous,
             self._device(newest, (seqs_bucket,)),
+            self._device(bias, (seqs_bucket, BIAS_WIDTH)),
         )
         self._previous = sampled
         scores = None

@@ -55,3 +55,34 @@ def test_sampling_rows_are_gathered_once_and_never_written_after() -> None:
     assert fresh[0] == pytest.approx(0.2) and fresh[len(fresh) // 2] == pytest.approx(1.3)
     assert floats[0] == pytest.approx(0.7)  # the earlier steps' array is as it was
     assert ints[2] == 5 and again[2] == 7
+
+
+def test_logit_biases_travel_only_with_a_row_that_has_them() -> None:
+    """A step none of whose rows has a logit bias sends no bias rows; one
+    that has them sends every row's, a row of a sequence without biases
+    neutral even where an earlier sequence of that row had some."""
+    from kvd.engine.batching import MAX_LOGIT_BIAS, SequenceRows
+    from kvd.kv.columns import SequenceColumns
+    from kvd.kv.sequence import Sequence
+    from kvd.sched.sampling_params import SamplingParams
+
+    columns = SequenceColumns(4)
+    seqs = [Sequence(i, "t", [1, 2, 3], 0, i, None, 1, columns) for i in range(2)]
+    slots = np.array([seq.slot for seq in seqs])
+    cache = SequenceRows(groups=1, width=4)
+    plain = SamplingParams(temperature=0.0, presence_penalty=0.5)
+    rows = cache.prepare(seqs, slots, [plain, plain], np.zeros(2, np.int64), np.array([1, 2]))
+    assert cache.biases(rows, 2) is None
+    assert cache.penalized(rows).tolist() == [True, True]
+    biased = SamplingParams(temperature=0.0, logit_bias=((7, 2.5), (9, -100.0)))
+    cache.prepare(seqs, slots, [biased, None], np.zeros(2, np.int64), np.array([3, 2]))
+    assert cache.penalized(rows).tolist() == [False, True]
+    bias = cache.biases(np.array([*rows, 0]), 2)  # padded with the null row
+    assert bias is not None and bias.shape == (3, 2 * MAX_LOGIT_BIAS)
+    assert bias[0, :3].tolist() == [7, 9, -1]
+    assert bias[0, MAX_LOGIT_BIAS : MAX_LOGIT_BIAS + 2].view(np.float32).tolist() == [2.5, -100.0]
+    assert (bias[1:, :MAX_LOGIT_BIAS] == -1).all() and (bias[1:, MAX_LOGIT_BIAS:] == 0).all()
+    assert cache.biases(rows[1:], 1) is None  # the step of the other row alone
+    cache.prepare(seqs, slots, [plain, None], np.zeros(2, np.int64), np.array([4, 2]))
+    assert cache.biases(rows, 2) is None  # the biased sequence's row was reused
+    assert cache.bias is not None and (cache.bias[rows[0], :MAX_LOGIT_BIAS] == -1).all()
