@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,9 +81,17 @@ def load(checkout: Path) -> types.SimpleNamespace:
     return types.SimpleNamespace(**modules)
 
 
-def overhead_ms(nano: types.SimpleNamespace, running: int, steps: int) -> tuple[float, float]:
+def overhead_ms(
+    nano: types.SimpleNamespace,
+    running: int,
+    steps: int,
+    between: Callable[[], object] | None = None,
+) -> tuple[float, float]:
     """(p50, mean) milliseconds of nano-vllm's host work per decode step with
-    ``running`` sequences (``nano``: its modules, from ``load``)."""
+    ``running`` sequences (``nano``: its modules, from ``load``). ``between``,
+    if given, runs before each timed step, untimed: a device step, so that
+    nano-vllm's scheduler meets the caches as a real step loop leaves them
+    (a model step streams its weights and KV through them)."""
     nano.sequence.Sequence.block_size = BLOCK_SIZE
     per_seq = -(-(PREFIX_TOKENS + UNIQUE_TOKENS + NEW_TOKENS) // BLOCK_SIZE)
     scheduler = nano.scheduler.Scheduler(
@@ -112,6 +121,8 @@ def overhead_ms(nano: types.SimpleNamespace, running: int, steps: int) -> tuple[
         step()
     times: list[float] = []
     while len(times) < steps:
+        if between is not None:
+            between()
         start = time.perf_counter()
         prefill = step()
         elapsed = time.perf_counter() - start

@@ -158,6 +158,7 @@ class SequenceRows:
         self.bias: np.ndarray[Any, Any] | None = None
         self.biased = np.zeros(1, np.bool_)
         self.penalties = np.zeros(1, np.bool_)
+        self.tops = np.zeros(1, np.bool_)
         self.stamps = np.zeros(1, np.int64)  # the table version each row holds
         # The last step's gathered sampling rows: steady decode asks for the
         # same rows step after step.
@@ -181,6 +182,7 @@ class SequenceRows:
             self.bias = _grown(self.bias, rows, _neutral_bias(rows))
         self.biased = _grown(self.biased, rows, np.zeros(rows, np.bool_))
         self.penalties = _grown(self.penalties, rows, np.zeros(rows, np.bool_))
+        self.tops = _grown(self.tops, rows, np.zeros(rows, np.bool_))
         filled = np.zeros(rows, np.int64)
         filled[: len(self.filled)] = self.filled
         self.filled = filled
@@ -288,6 +290,7 @@ class SequenceRows:
             (floats[SAMPLING_PENALTIES : SAMPLING_PENALTIES + 3] != NEUTRAL_PENALTIES).any()
         )
         self.biased[row] = bool(params.logit_bias)
+        self.tops[row] = params.top_logprobs > 0
         if params.logit_bias:
             if self.bias is None:
                 self.bias = _neutral_bias(len(self.ints))
@@ -317,6 +320,10 @@ class SequenceRows:
     def penalized(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """Which of ``rows`` have a penalty (bool per row)."""
         return self.penalties[rows]
+
+    def want_top(self, rows: np.ndarray[Any, Any]) -> bool:
+        """Whether one of ``rows`` asks for its alternatives' logprobs."""
+        return bool(self.tops[rows].any())
 
     def biases(self, rows: np.ndarray[Any, Any], count: int) -> np.ndarray[Any, Any] | None:
         """The logit bias rows of ``rows`` (a sequence bucket's, its first

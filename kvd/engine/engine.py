@@ -949,7 +949,7 @@ class Engine:
         # body overwrites: their program is dispatched with the step's.
         prompt = None if scoring is None else partial(_prompt_scores, scores, scoring[1], count)
         top = None
-        if cache.ints[rows[:count], SAMPLING_TOP].any():  # only then is the result read
+        if cache.want_top(rows[:count]):  # only then is the result read
             top = top_ids, top_logprobs
         return EngineStep(self, count, sampled, logprobs, top, prompt, decodes, entered, started)
 

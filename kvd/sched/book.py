@@ -49,6 +49,7 @@ class RequestBook:
         self.swapped: dict[str, Request] = {}
         self.stopping: set[Request] = set()  # live requests with stop strings to watch
         self.with_stop_ids: set[Request] = set()  # live requests with stop token ids
+        self.constrained: set[Request] = set()  # live requests with a grammar to follow
         self.serials = itertools.count()  # arrival order among equal clocks
         self.steps = 0
         self.preemptions = 0
@@ -97,6 +98,8 @@ class RequestBook:
                 self.stopping.add(request)
             if request.params.stop_token_ids:
                 self.with_stop_ids.add(request)
+            if request.constraint is not None:
+                self.constrained.add(request)
 
     def rate_limited(self, tenant: str) -> None:
         self.tenant_stats[tenant].rate_limited += 1
@@ -236,6 +239,7 @@ class RequestBook:
         del self.requests[request.request_id]
         self.stopping.discard(request)
         self.with_stop_ids.discard(request)
+        self.constrained.discard(request)
         first = request.first_choice or request
         if first.other_choices and all(
             r.phase is RequestPhase.FINISHED for r in (first, *first.other_choices)

@@ -209,6 +209,9 @@ class SlotInfo:
         # overlapped, it waits for a token in flight. (A penalty's history
         # takes a token in flight on the device: no wait.)
         self.waits = np.zeros(0, np.bool_)
+        # What its events carry: the reply's id and which choice it is.
+        self.reply_id = np.zeros(0, object)
+        self.choice = np.zeros(0, np.int64)
 
     def start(
         self,
@@ -220,6 +223,8 @@ class SlotInfo:
         stop_ids: tuple[int, ...] | list[int] = (),
         *,
         waits: bool = False,
+        reply_id: str = "",
+        choice: int = 0,
     ) -> None:
         """A new sequence holds ``slot`` (of a KV manager with ``capacity`` slots)."""
         if len(self.max_length) < capacity:
@@ -230,6 +235,8 @@ class SlotInfo:
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stop_ids)] = stop_ids
         self.waits[slot] = waits
+        self.reply_id[slot] = reply_id
+        self.choice[slot] = choice
 
     def _grow(self, capacity: int) -> None:
         old = len(self.max_length)
@@ -239,6 +246,8 @@ class SlotInfo:
             ("ignore_eos", 0),
             ("stop_ids", -1),
             ("waits", 0),
+            ("reply_id", None),
+            ("choice", 0),
         )
         for name, fill in columns:
             column = getattr(self, name)

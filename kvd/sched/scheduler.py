@@ -369,6 +369,8 @@ class Scheduler:
         bitmask row per request; all ones for the others), or None when no
         row has a grammar. Only rows that sample are asked: a prefill chunk
         short of its prompt's end samples nothing it keeps."""
+        if not self.book.constrained:
+            return None
         constrained = [i for i, r in enumerate(requests) if r.constraint is not None]
         if not constrained:
             return None
@@ -525,6 +527,8 @@ class Scheduler:
                 request.params.ignore_eos,
                 request.params.stop_token_ids,
                 waits=request.constraint is not None,
+                reply_id=request.reply_id,
+                choice=request.choice,
             )
         seq = request.seq
         if seq.pending:

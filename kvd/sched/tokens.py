@@ -48,7 +48,10 @@ def sampling_rows(counts: list[int], before: StepColumns) -> Array:
     """Which rows of a step sample a token they keep (bool per row): those
     whose step reaches their known length, not a prefill chunk short of its
     prompt's end. ``before``: their columns before the step."""
-    return before.computed + np.asarray(counts) == before.length  # type: ignore[no-any-return]
+    # One token each (a decode step) is the common case: counting in a list
+    # is cheaper than making an array of it.
+    steps = 1 if counts.count(1) == len(counts) else np.asarray(counts)
+    return before.computed + steps == before.length  # type: ignore[no-any-return]
 
 
 def outcome(
@@ -160,14 +163,14 @@ class TokenRecorder:
             reasons[i] = "error"
         events += map(
             StepEvent,
-            [r.reply_id for r in requests],
+            info.reply_id[slots].tolist(),
             token_list,
             out.logprobs.tolist(),
             finished.tolist(),
             reasons,
             repeat(None),
             repeat(None),
-            [r.choice for r in requests],
+            info.choice[slots].tolist(),
         )
         if output.top_ids is not None:
             self._attach_top(events, requests, out.keep, output.top_ids, output.top_logprobs)
