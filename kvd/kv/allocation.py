@@ -5,6 +5,8 @@ decode at once when nobody competes)."""
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -250,33 +252,43 @@ class Allocator:
         fits = decode & (computed < capacity)
         left = np.flatnonzero(~fits)
         all_at_boundary = bool((decode[left] & (computed[left] == capacity[left])).all())
-        if len(left) and all_at_boundary and self._grow_by_one_block([seqs[i] for i in left]):
+        if (
+            len(left)
+            and all_at_boundary
+            and self._grow_by_one_block([seqs[i] for i in left], slots[left])
+        ):
             fits[left] = True
             left = left[:0]
         matrix = self.registry.columns.matrix
         matrix[ALLOCATED, slots] = np.where(fits, computed + 1, before[ALLOCATED])
         return left.tolist()  # type: ignore[no-any-return]
 
-    def _grow_by_one_block(self, seqs: list[Sequence]) -> bool:
-        """A new block for each of ``seqs``, if the idle pages and every tenant's
-        budget allow all of them; otherwise change nothing and return False."""
-        groups = self.registry.num_groups
-        per_tenant: dict[str, int] = {}
+    def _grow_by_one_block(self, seqs: list[Sequence], slots: np.ndarray[Any, Any]) -> bool:
+        """A new block for each of ``seqs`` (at ``slots``), if the idle pages and
+        every tenant's budget allow all of them; otherwise change nothing and
+        return False. Pages are taken a tenant at a time, and the block counts
+        advanced as one array operation: every ``block_size`` steps each
+        decoding sequence comes here."""
+        registry = self.registry
+        groups = registry.num_groups
+        by_tenant: dict[str, list[Sequence]] = {}
         for seq in seqs:
-            per_tenant[seq.tenant] = per_tenant.get(seq.tenant, 0) + groups
-        if len(seqs) * groups > self.registry.pool.num_idle() or any(
-            pages > self.registry.ledger.headroom(tenant) for tenant, pages in per_tenant.items()
+            by_tenant.setdefault(seq.tenant, []).append(seq)
+        if len(seqs) * groups > registry.pool.num_idle() or any(
+            len(own) * groups > registry.ledger.headroom(tenant)
+            for tenant, own in by_tenant.items()
         ):
             return False
-        take, edits = self.registry.pool.take, self.registry.table_edits
-        for seq in seqs:
-            block = seq.num_blocks
-            pages = take(seq.tenant, groups)
-            for g, (table, page) in enumerate(zip(seq.tables, pages, strict=True)):
-                table.append(page)
+        take, edits = registry.pool.take, registry.table_edits
+        for tenant, own in by_tenant.items():
+            pages = take(tenant, len(own) * groups)
+            for i, seq in enumerate(own):
+                mine = pages[i * groups : (i + 1) * groups]
+                deque(map(list.append, seq.tables, mine), maxlen=0)
                 if edits is not None:
-                    edits.append((seq.slot, g, block, page))
-            seq.num_blocks = block + 1
-            if edits is None:
-                seq.table_version = self.registry.stamp()
+                    block = len(seq.tables[0]) - 1
+                    edits += zip(repeat(seq.slot), range(groups), repeat(block), mine)
+                else:
+                    seq.table_version = registry.stamp()
+        registry.columns.matrix[BLOCKS, slots] += 1
         return True

@@ -76,7 +76,7 @@ class Committer:
         old = before[COMPUTED]
         new = old + counts_array
         bad = (before[RESIDENT] != 1) | (counts_array < 1) | (new > before[ALLOCATED])
-        if bad.any() or len(set(slots.tolist())) != len(seqs):
+        if bad.any() or _repeats(slots):
             for seq, count in zip(seqs, counts, strict=True):  # the precise error
                 if seq.residency is not Residency.RESIDENT:
                     raise KVError(f"sequence {seq.seq_id} is {seq.residency.value}, not resident")
@@ -99,9 +99,7 @@ class Committer:
         computed = before[COMPUTED]
         new = computed + 1
         # Resident (1), with room allocated for the token: the product is >= 1.
-        if int(((before[ALLOCATED] - computed) * before[RESIDENT]).min()) < 1 or len(
-            set(slots.tolist())
-        ) != len(seqs):
+        if int(((before[ALLOCATED] - computed) * before[RESIDENT]).min()) < 1 or _repeats(slots):
             self.commit_batch(seqs, [1] * len(seqs), slots)  # raises the precise error
             return
         self.registry.columns.matrix[COMPUTED, slots] = new
@@ -186,3 +184,16 @@ class Committer:
                     drop(page, tenant)
             seq.kept = None
         seq.table_version = self.registry.stamp()
+
+
+def _repeats(slots: np.ndarray[Any, Any]) -> bool:
+    """Whether a slot appears twice: each position writes its index at its
+    slot, and a slot written twice keeps only one of them. Two scattered
+    writes and reads, where a sort or a set of the slots cost several times
+    more on the caches a device step leaves."""
+    if not len(slots):
+        return False
+    order = np.arange(len(slots))
+    marks = np.empty(int(slots.max()) + 1, np.int64)
+    marks[slots] = order
+    return bool((marks[slots] != order).any())

@@ -50,6 +50,7 @@ class RequestBook:
         self.stopping: set[Request] = set()  # live requests with stop strings to watch
         self.with_stop_ids: set[Request] = set()  # live requests with stop token ids
         self.constrained: set[Request] = set()  # live requests with a grammar to follow
+        self.ended = 0  # requests finished so far: a step asks whether any of its own did
         self.serials = itertools.count()  # arrival order among equal clocks
         self.steps = 0
         self.preemptions = 0
@@ -231,6 +232,7 @@ class RequestBook:
         if request in queue:
             queue.remove(request)
         request.phase = RequestPhase.FINISHED
+        self.ended += 1
         request.finish_reason = reason
         if request.host_pages is not None:
             self.swap_space.give(request.tenant, len(request.host_pages[0]))

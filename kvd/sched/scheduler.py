@@ -82,6 +82,7 @@ class Launched(NamedTuple):
     before: StepColumns  # the sequences' columns before it
     pending: PendingStep
     constrained: bool  # some row follows a grammar
+    ended: int  # the book's count of finished requests when it was dispatched
 
 
 def _rows_of(work: StepWork, output: StepOutput, keep: list[int]) -> tuple[StepWork, StepOutput]:
@@ -309,6 +310,7 @@ class Scheduler:
         failed, and nothing ran."""
         kv = self.kv
         requests, counts = work.requests, work.counts
+        ended = self.book.ended  # none of them has ended yet
         before = kv.step_columns(slots)  # the step's column fields, gathered once
         self.sync_host_cache()
         masks = self._constraint_masks(requests, counts, before)
@@ -336,7 +338,7 @@ class Scheduler:
                 grown[: len(self._source_row)] = self._source_row
                 self._source_row = grown
             self._source_row[slots[rows]] = rows
-        return Launched(work, seqs, slots, before, pending, masks is not None)
+        return Launched(work, seqs, slots, before, pending, masks is not None, ended)
 
     def _record(self, launched: Launched, events: list[StepEvent]) -> None:
         """Read a dispatched step's tokens and turn them into events. A row
@@ -345,7 +347,9 @@ class Scheduler:
         output = launched.pending.result()
         work, seqs, slots, before = launched.work, launched.seqs, launched.slots, launched.before
         finished = RequestPhase.FINISHED
-        if any(request.phase is finished for request in work.requests):
+        # Only a request that ended since the dispatch can be one of its own.
+        ended = self.book.ended != launched.ended
+        if ended and any(request.phase is finished for request in work.requests):
             keep = [i for i, r in enumerate(work.requests) if r.phase is not finished]
             work, output = _rows_of(work, output, keep)
             seqs = [seqs[i] for i in keep]

@@ -475,6 +475,10 @@ def test_commit_batch_is_all_or_nothing_and_refuses_strangers(layout: PageLayout
     assert (a.num_computed, b.num_computed) == (5, 5)  # nothing moved
     with pytest.raises(KVError, match="twice"):
         kv.commit_batch([a, a], [1, 1])
+    with pytest.raises(KVError, match="twice"):  # the decode step's own path
+        twice = kv.slots_of([b, a, b])
+        kv.commit_decodes([b, a, b], twice, kv.step_columns(twice))
+    assert (a.num_computed, b.num_computed) == (5, 5)
     other = make_kv(layout)
     stranger = decoding(other, 1, 5)
     with pytest.raises(KVError, match="not live"):
