@@ -113,31 +113,46 @@ class Committer:
         self, seqs: list[Sequence], before: np.ndarray[Any, Any], new: np.ndarray[Any, Any]
     ) -> None:
         """After a batched commit to ``new`` computed tokens (``before``: the
-        columns before it), slide the windows that moved past a block."""
-        if self.registry.window is None:
+        columns before it), slide the windows that moved past a block: every
+        ``block_size`` steps each decoding sequence comes here, so the new
+        window starts are computed and stored as arrays, and only the pages
+        leaving are handled one by one."""
+        registry = self.registry
+        window = registry.window
+        if window is None:
             return
-        moved = (
-            new - self.registry.window + 1 >= (before[SLIDING_START] + 1) * self.registry.block_size
-        )
-        for i in np.flatnonzero(moved).tolist():
-            self._slide(seqs[i], self.registry.first_needed_block(int(new[i])))
+        bs = registry.block_size
+        starts = before[SLIDING_START]
+        firsts = np.maximum(0, (new - window + 1) // bs)
+        moved = np.flatnonzero(firsts > starts)
+        if not len(moved):
+            return
+        firsts, starts = firsts[moved], starts[moved]
+        for i, first, start in zip(moved.tolist(), firsts.tolist(), starts.tolist(), strict=True):
+            self._release_window(seqs[i], first, start)
+        registry.columns.matrix[SLIDING_START, [seqs[i].slot for i in moved.tolist()]] = firsts
 
-    def _slide(self, seq: Sequence, first_needed: int) -> None:
+    def _release_window(self, seq: Sequence, first_needed: int, start: int) -> None:
+        """Drop the sliding groups' pages of blocks [start, first_needed) of
+        ``seq`` (newest first), leaving its ``sliding_start`` to the caller."""
         registry = self.registry
         drop, tenant, edits = registry.pool.drop, seq.tenant, registry.table_edits
-        groups = registry.sliding_groups
-        for block in range(first_needed - 1, seq.sliding_start - 1, -1):
-            for g in groups:
-                table = seq.tables[g]
+        tables = seq.tables
+        for block in range(first_needed - 1, start - 1, -1):
+            for g in registry.sliding_groups:
+                table = tables[g]
                 page = table[block]
                 if page:
                     drop(page, tenant)
                     table[block] = NULL_PAGE
                     if edits is not None:
                         edits.append((seq.slot, g, block, NULL_PAGE))
-        seq.sliding_start = first_needed
         if edits is None:
             seq.table_version = registry.stamp()
+
+    def _slide(self, seq: Sequence, first_needed: int) -> None:
+        self._release_window(seq, first_needed, seq.sliding_start)
+        seq.sliding_start = first_needed
 
     def release(self, seq: Sequence) -> None:
         """Drop every page (preemption by recompute, or the end of a sequence).
