@@ -15,13 +15,17 @@ inter-token histogram over the same requests: the gap between two tokens as
 the step loop hands them to their stream, in the server's process. The
 difference from the client's gap is what the streaming path costs per token
 (channel, response shaping, SSE framing, the socket). ``--repeat 1`` makes the
-prompt 155 tokens of the 270M's tokenizer instead of 581.
+prompt 155 tokens of the 270M's tokenizer instead of 581. ``--prompt-tokens N``
+sends token ids instead of text, exactly N a prompt (a shared run and 8 of
+each request's own), to compare with ``kvd bench decode --batches 1
+--prompt-len N``, the in-process step at the same context.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -54,7 +58,7 @@ QUESTIONS = [
 
 
 def one_request(
-    client: httpx.Client, url: str, model: str, prompt: str, tokens: int
+    client: httpx.Client, url: str, model: str, prompt: str | list[int], tokens: int
 ) -> tuple[float, int, float]:
     """(TTFT, tokens after the first, seconds from the first token to the last)."""
     body = {
@@ -115,18 +119,31 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=4, help="Copies of the shared text.")
     parser.add_argument("--metrics", default=None, help="kvd's metrics URL (its own gaps).")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=None, help="Token-id prompts of exactly this many."
+    )
     args = parser.parse_args()
     shared = SHARED_TEXT * args.repeat
+    prompts: list[str | list[int]] = [f"{shared}Q: {q}\nA:" for q in QUESTIONS]
+    warm: str | list[int] = shared + "Q: Hello?\nA:"
+    if args.prompt_tokens is not None:
+        if args.prompt_tokens < 16:
+            parser.error("--prompt-tokens must be at least 16")
+        # Ordinary ids of a 262k vocabulary, past the special tokens.
+        ids = random.Random(0).sample(range(1_000, 200_000), args.prompt_tokens + 8 * 13)
+        common, own = ids[: args.prompt_tokens - 8], ids[args.prompt_tokens - 8 :]
+        prompts = [common + own[8 * i : 8 * i + 8] for i in range(12)]
+        warm = common + own[-8:]
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
     ttfts, rates, gaps = [], [], []
     # A connection per request: llama-server closes idle kept-alive ones.
     limits = httpx.Limits(max_keepalive_connections=0)
     with httpx.Client(headers=headers, timeout=300, limits=limits) as client:
-        one_request(client, args.url, args.model, shared + "Q: Hello?\nA:", 4)  # warm
+        one_request(client, args.url, args.model, warm, 4)  # warm
         before = handoff_totals(client, args.metrics) if args.metrics else None
-        for question in QUESTIONS[: args.requests]:
+        for prompt in prompts[: args.requests]:
             ttft, after_first, seconds = one_request(
-                client, args.url, args.model, f"{shared}Q: {question}\nA:", args.tokens
+                client, args.url, args.model, prompt, args.tokens
             )
             ttfts.append(ttft)
             rates.append(after_first / seconds)

@@ -107,17 +107,20 @@ class RunningOrder:
     def __init__(self) -> None:
         self._keys: list[tuple[int, float, int]] = []
         self._requests: list[Request] = []
+        self.version = 0  # moves with every change: what was derived from an order stays valid
 
     def add(self, request: Request) -> None:
         at = bisect.bisect_left(self._keys, request.order_key)
         self._keys.insert(at, request.order_key)
         self._requests.insert(at, request)
+        self.version += 1
 
     def remove(self, request: Request) -> None:
         at = bisect.bisect_left(self._keys, request.order_key)
         if at < len(self._requests) and self._requests[at] is request:
             del self._keys[at]
             del self._requests[at]
+            self.version += 1
 
     def snapshot(self) -> list[Request]:
         return list(self._requests)

@@ -149,6 +149,8 @@ class Scheduler:
         self._seq_ids = itertools.count(1)
         # The running requests of this step and their KV slots, when computed while
         # scheduling (a step of only those decodes needs them again).
+        # The running order's version, sequences and slots (``_running_slots``).
+        self._running: tuple[int, list[Sequence], np.ndarray[Any, Any]] | None = None
         self._decode_slots: tuple[list[Request], list[Sequence], np.ndarray[Any, Any]] = (
             _NOTHING_SCHEDULED
         )
@@ -385,15 +387,28 @@ class Scheduler:
                 requests[i].constraint.fill_mask(masks[i])  # type: ignore[union-attr]
         return masks
 
+    def _running_slots(
+        self, version: int, order: list[Request]
+    ) -> tuple[list[Sequence], np.ndarray[Any, Any]]:
+        """The sequences of the running ``order`` and their slots, kept from
+        the last step while the order is the same (``version``): a running
+        request keeps its sequence and a sequence its slot, and in steady
+        decode the order changes only when a request comes or goes."""
+        kept = self._running
+        if kept is None or kept[0] != version:
+            seqs: list[Sequence] = [request.seq for request in order]  # type: ignore[misc]
+            kept = self._running = (version, seqs, self.kv.slots_of(seqs))
+        return list(kept[1]), kept[2].copy()
+
     def _schedule_decodes(self, plan: StepPlan) -> list[Request]:
         """Every running decode that fits the step, most important first; returns
         the running requests with a prefill chunk to compute, in running order."""
-        order = self.book.running_order.snapshot()
+        running_order = self.book.running_order
+        order = running_order.snapshot()
         if not order:
             return []
         kv = self.kv
-        seqs: list[Sequence] = [request.seq for request in order]  # type: ignore[misc]
-        slots = kv.slots_of(seqs)
+        seqs, slots = self._running_slots(running_order.version, order)
         before = kv.step_columns(slots)
         if self._in_flight is not None:
             # A row whose newest token is still on the device waits for it when
