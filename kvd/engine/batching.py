@@ -92,6 +92,14 @@ def _neutral_bias(rows: int) -> np.ndarray[Any, Any]:
     return bias
 
 
+def _any_of(flags: np.ndarray[Any, Any], rows: np.ndarray[Any, Any]) -> bool:
+    """Whether ``flags`` holds for one of ``rows``: first over the whole
+    array, one contiguous pass (most steps: no row of any sequence asks),
+    and only then gathered (a gather of scattered rows costs several times
+    more on the caches a device step leaves)."""
+    return bool(flags.any()) and bool(flags[rows].any())
+
+
 def _grown(old: np.ndarray[Any, Any], rows: int, new: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """``new`` (``rows`` long, the neutral value) with ``old``'s rows first."""
     new[: len(old)] = old
@@ -323,12 +331,16 @@ class SequenceRows:
 
     def want_top(self, rows: np.ndarray[Any, Any]) -> bool:
         """Whether one of ``rows`` asks for its alternatives' logprobs."""
-        return bool(self.tops[rows].any())
+        return _any_of(self.tops, rows)
+
+    def any_penalized(self, rows: np.ndarray[Any, Any]) -> bool:
+        """Whether one of ``rows`` has a penalty."""
+        return _any_of(self.penalties, rows)
 
     def biases(self, rows: np.ndarray[Any, Any], count: int) -> np.ndarray[Any, Any] | None:
         """The logit bias rows of ``rows`` (a sequence bucket's, its first
         ``count`` the step's sequences), or None when none of them has a bias."""
-        if self.bias is None or not self.biased[rows[:count]].any():
+        if self.bias is None or not _any_of(self.biased, rows[:count]):
             return None
         return self.bias[rows]
 

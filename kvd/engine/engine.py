@@ -533,7 +533,7 @@ class Engine:
     ) -> np.ndarray[Any, Any] | None:
         """The head's token histories for ``rows`` (a sequence bucket's); None
         when no row has a penalty (the device's constant stands in)."""
-        if self._rows.penalized(rows[: len(seqs)]).any():
+        if self._rows.any_penalized(rows[: len(seqs)]):
             return self._rows.histories(rows, seqs, ends)
         return None
 
