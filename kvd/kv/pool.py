@@ -70,6 +70,7 @@ class PagePool:
         self.owner: list[str | None] = [None] * num_pages
         self.host: HostCache | None = None  # where evicted cached pages go, if anywhere
         self.events: KVEventLog | None = None  # told what the cache holds, if anyone listens
+        self._taking: int | None = None  # the page ``take`` is handing out while it offers it
 
     @property
     def capacity(self) -> int:
@@ -101,17 +102,32 @@ class PagePool:
                 page, _ = lru.popitem(last=False)
                 key = self.key[page]
                 if self.host is not None and key is not None and not self.spares.get(key):
-                    owner = self.owner[page]
-                    assert owner is not None
-                    kept = self.host.offer(key, page, owner, self.public[page])
-                    if kept and self.events is not None:
-                        self.events.offloaded(key)
+                    self._offer_to_host(page, key)
                 self._forget(page)
             self.ref[page] = 1
             self.holders[page] = {account: 1}
             pages.append(page)
         self.ledger.accounts[account].used += count
         return pages
+
+    def _offer_to_host(self, page: int, key: CacheKey) -> None:
+        """The host cache may keep a copy of ``page``, which ``take`` is handing
+        out. Making room there can drop the block's own ancestor, and with it
+        (findable nowhere now) the block itself from the device index: the
+        page is then not idle (``_drop_descendants`` must not free it), and
+        its copy, which no lookup could reach, is dropped again."""
+        assert self.host is not None
+        owner = self.owner[page]
+        assert owner is not None
+        self._taking = page
+        try:
+            kept = self.host.offer(key, page, owner, self.public[page])
+        finally:
+            self._taking = None
+        if kept and self.events is not None:
+            self.events.offloaded(key)
+        if kept and self.key[page] is None:
+            self.host.discard(key)
 
     def touch(self, page: int, account: str) -> None:
         """Add a reference from ``account`` to a cached page (a prefix hit)."""
@@ -292,7 +308,9 @@ class PagePool:
             for spare in self.spares.pop(child, ()):
                 self.spare_of[spare] = None
             self.key[page] = None
-            if self.holders[page] is None:
+            if page == self._taking:  # out of the LRU already, and not to be freed
+                self.public[page] = None
+            elif self.holders[page] is None:
                 del self.lru[page]
                 self.public[page] = None
                 self.free.append(page)

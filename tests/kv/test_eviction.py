@@ -311,3 +311,36 @@ def test_shared_charges_move_to_the_next_holder_in_the_plan(flat: PageLayout) ->
     assert plan is not None and [v.seq_id for v in plan.victims] == [1, 2]
     carry_out(kv, plan)
     assert kv.can_allocate(req, 16)
+
+
+def test_a_page_whose_host_copy_evicts_its_own_parent_is_handed_out_whole() -> None:
+    """Taking an idle cached page offers its block to a full host cache, which
+    makes room by dropping its oldest block: here the page's own parent. The
+    block, findable nowhere after that, leaves the device index while the
+    page is being handed out: it must be handed out once (not also freed),
+    and its host copy, which no lookup could reach, must go too. (Found by the
+    policy fuzz: a KeyError from the LRU.)"""
+    from kvd.kv.hostcache import HostCache
+    from kvd.kv.ledger import Ledger
+    from kvd.kv.pool import PagePool
+
+    ledger = Ledger(3)
+    ledger.set_tenant("a", TenantBudget())
+    pool = PagePool(4, ledger)
+    host = HostCache(1)
+    host.add_account("a")
+    host.on_drop = pool.lost
+    pool.host = host
+    parent_page, child_page = pool.take("a", 2)
+    parent, child = (0, b"parent"), (0, b"child")
+    assert pool.register(parent_page, parent, None)
+    assert pool.register(child_page, child, None, parent=parent)
+    pool.drop(parent_page, "a")
+    pool.drop(child_page, "a")  # both idle and cached, the parent the older
+    first = pool.take("a", 2)  # the free page, then the parent's: its block goes to the host
+    assert parent_page in first and parent in host and child in pool.index
+    (last,) = pool.take("a", 1)  # the child's: the host drops the parent to keep it
+    assert last == child_page
+    assert parent not in host and child not in host and child not in pool.index
+    assert last not in pool.free and pool.ref[last] == 1 and pool.key[last] is None
+    assert ledger.tenant("a").used == 3 and pool.num_idle() == 0
