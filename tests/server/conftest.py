@@ -142,6 +142,8 @@ class DaemonProcess:
                 event = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if not isinstance(event, dict):
+                continue  # a library's own output that happens to parse (a bare number)
             self.events.append(event)
             self._lines.put(event)
         self._lines.put(None)
