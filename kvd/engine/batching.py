@@ -299,16 +299,17 @@ class SequenceRows:
         )
         self.biased[row] = bool(params.logit_bias)
         self.tops[row] = params.top_logprobs > 0
+        if params.logit_bias and self.bias is None:
+            self.bias = _neutral_bias(len(self.ints))
+        if self.bias is not None:  # no earlier sequence's biases
+            self.bias[row, :MAX_LOGIT_BIAS] = -1
+            self.bias[row, MAX_LOGIT_BIAS:] = 0
         if params.logit_bias:
-            if self.bias is None:
-                self.bias = _neutral_bias(len(self.ints))
+            assert self.bias is not None
             ids, biases = zip(*params.logit_bias, strict=True)
-            self.bias[row] = _neutral_bias(1)[0]
             self.bias[row, : len(ids)] = ids
             values = np.asarray(biases, np.float32).view(np.int32)
             self.bias[row, MAX_LOGIT_BIAS : MAX_LOGIT_BIAS + len(ids)] = values
-        elif self.bias is not None:
-            self.bias[row] = _neutral_bias(1)[0]  # no earlier sequence's biases
 
     def sampling(
         self, rows: np.ndarray[Any, Any], positions: np.ndarray[Any, Any]

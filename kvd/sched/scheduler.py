@@ -147,10 +147,10 @@ class Scheduler:
         self.stalled = False
         self.last_step_predicted_s: float | None = None
         self._seq_ids = itertools.count(1)
-        # The running requests of this step and their KV slots, when computed while
-        # scheduling (a step of only those decodes needs them again).
         # The running order's version, sequences and slots (``_running_slots``).
         self._running: tuple[int, list[Sequence], np.ndarray[Any, Any]] | None = None
+        # The running requests of this step and their KV slots, when computed while
+        # scheduling (a step of only those decodes needs them again).
         self._decode_slots: tuple[list[Request], list[Sequence], np.ndarray[Any, Any]] = (
             _NOTHING_SCHEDULED
         )
