@@ -18,6 +18,7 @@ from kvd.sched.sampling_params import MAX_TEMPERATURE, MIN_TEMPERATURE
 # (as kvd.engine.loader and kvd.engine.wquant.QUANTIZATIONS take them).
 WEIGHT_DTYPES = click.Choice(["float32", "bfloat16"])
 QUANTIZATIONS = click.Choice(["auto", "none", "int8"])
+MATMULS = click.Choice(["auto", "xla", "onednn"])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -300,6 +301,13 @@ def bench_kv(steps: int, running: str, model: str, block_size: int, as_json: boo
     show_default=True,
     help="Interleaved rounds of kvd with overlapped steps on and off, per batch size.",
 )
+@click.option(
+    "--matmul",
+    type=MATMULS,
+    default="xla",
+    show_default=True,
+    help="The matrix products: XLA's, or bf16 on oneDNN's AMX/AVX-512 kernels (model.matmul).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(
     batches: str,
@@ -309,6 +317,7 @@ def bench_decode(
     quantization: str,
     no_baseline: bool,
     rounds: int,
+    matmul: str,
     as_json: bool,
 ) -> None:
     """Decode throughput and TTFT of the embedded model, with transformers as the baseline."""
@@ -324,6 +333,7 @@ def bench_decode(
         lambda t: click.echo(t, err=True),
         quantization,
         rounds,
+        matmul,
     )
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 

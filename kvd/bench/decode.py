@@ -92,6 +92,7 @@ def run_decode_bench(
     say: Callable[[str], None] = lambda _text: None,
     quantization: str = "auto",
     rounds: int = 3,
+    matmul: str = "xla",
 ) -> DecodeReport:
     from kvd.engine.engine import Engine, EngineConfig
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model
@@ -109,6 +110,7 @@ def run_decode_bench(
         max_num_seqs=max(batches),
         max_num_batched_tokens=512,
         pool_tokens=max(batches) * (prompt_len + new_tokens + 32),
+        matmul=matmul,
     )
     engine = Engine(model, config)
     say("compiling")

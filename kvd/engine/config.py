@@ -16,6 +16,8 @@ from kvd.kv.geometry import AttentionKind, KVGeometry, LayerType, canonical_dtyp
 
 # The attention implementations an engine may ask for (kvd/engine/attention.py).
 ATTENTION_CHOICES = ("auto", "reference", "pallas", "pallas-interpret")
+# The matrix products (model.matmul; kvd/engine/onednn.py).
+MATMUL_CHOICES = ("auto", "xla", "onednn")
 
 
 class EngineDefaults:

@@ -13,6 +13,7 @@ import ctypes
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 import structlog
 
 from kvd import faults
+from kvd.engine import onednn
 from kvd.engine.batching import (
     BIAS_WIDTH,
     SAMPLING_FLOATS,
@@ -45,7 +47,7 @@ from kvd.engine.batching import (
     sliding_ring,
     unpack,
 )
-from kvd.engine.config import EngineDefaults
+from kvd.engine.config import MATMUL_CHOICES, EngineDefaults
 from kvd.engine.loader import LoadedModel
 from kvd.engine.lockstep import GATHER, SCATTER, STEP, STOP, Lockstep
 from kvd.engine.model import (
@@ -84,6 +86,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # Devices the model is split over (kvd/engine/sharding.py).
     tensor_parallel: int = EngineDefaults.TENSOR_PARALLEL
     attention: str = EngineDefaults.ATTENTION  # kvd.engine.config.ATTENTION_CHOICES
+    # The matrix products: "xla", "onednn" (bf16 on oneDNN's AMX/AVX-512
+    # kernels, one CPU device only; kvd/engine/onednn.py) or "auto" (onednn
+    # where it can run).
+    matmul: str = "xla"
 
 
 class EngineError(ValueError):
@@ -326,6 +332,7 @@ class Engine:
         kv_dtype = self._size(model, cfg)
         params = prepare_params(self.spec, model.params) if cfg.scan_layers else model.params
         pool_sharding = self._place(model, cfg, params, kv_dtype)
+        self.matmul = self._choose_matmul(cfg)
         self._choose_buckets(model, cfg)
         self._jit_programs(cfg, model, pool_sharding)
         self._start_counters(cfg)
@@ -406,6 +413,26 @@ class Engine:
         # The pool after the weights: the peak holds one array twice, not the pool.
         self.pool = zero_pool()
         return None
+
+    def _choose_matmul(self, cfg: EngineConfig) -> str:
+        """ "xla" or "onednn"; with onednn the placed weights gain their
+        oneDNN forms (``onednn.prepare``)."""
+        if cfg.matmul not in MATMUL_CHOICES:
+            raise EngineError(f"matmul {cfg.matmul!r} is not one of {', '.join(MATMUL_CHOICES)}")
+        if cfg.matmul == "xla":
+            return "xla"
+        reason = onednn.unavailable_reason()
+        if jax.default_backend() != "cpu":
+            reason = f"oneDNN products are for the CPU; this backend is {jax.default_backend()}"
+        elif self.mesh is not None or cfg.scan_layers or jax.process_count() > 1:
+            reason = "oneDNN products run on one CPU device, with unstacked layers"
+        if reason is not None:
+            if cfg.matmul == "onednn":
+                raise EngineError(f"matmul onednn: {reason}")
+            return "xla"
+        self.params, self._onednn_slots = onednn.prepare(self.params)
+        weakref.finalize(self, onednn.REGISTRY.release, self._onednn_slots)
+        return "onednn"
 
     def _choose_buckets(self, model: LoadedModel, cfg: EngineConfig) -> None:
         """The shapes programs compile for, and the device buffers sized by them."""

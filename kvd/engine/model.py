@@ -26,7 +26,7 @@ import numpy as np
 from kvd.engine.attention import NO_WINDOW, attend, resolve_attention
 from kvd.engine.config import ModelConfig
 from kvd.engine.kvquant import is_quantised, rotation, to_pool
-from kvd.engine.qdense import dense, embedding_rows, vocab_major_logits
+from kvd.engine.qdense import dense, dense_group, embedding_rows, vocab_major_logits
 from kvd.kv.geometry import AttentionKind
 from kvd.kv.layout import PageLayout
 
@@ -170,9 +170,10 @@ def _attention_block(
     cfg = spec.config
     n_kv, head_dim = cfg.kv_heads_of(kind), cfg.head_dim_of(kind)
     num_tokens = x.shape[0]
-    q = dense(x, p["q"]).reshape(num_tokens, cfg.num_heads, head_dim)  # [T, N, H]
-    k = dense(x, p["k"]).reshape(num_tokens, n_kv, head_dim)  # [T, K, H]
-    v = k if "v" not in p else dense(x, p["v"]).reshape(num_tokens, n_kv, head_dim)
+    q, k, *rest = dense_group(x, [p[name] for name in ("q", "k", "v") if name in p])
+    q = q.reshape(num_tokens, cfg.num_heads, head_dim)  # [T, N, H]
+    k = k.reshape(num_tokens, n_kv, head_dim)  # [T, K, H]
+    v = rest[0].reshape(num_tokens, n_kv, head_dim) if rest else k
     q = rms_norm(q, p["q_norm"], cfg.rms_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_eps)
     if cfg.value_norm:
@@ -272,7 +273,8 @@ def _block(
     h, pool = _attention_block(spec, kind, place, p, h, pool, batch, ropes)
     x = x + rms_norm(h, p["post_attn_norm"], eps)
     h = rms_norm(x, p["pre_ffn_norm"], eps)
-    h = jax.nn.gelu(dense(h, p["gate"]), approximate=True) * dense(h, p["up"])  # [T, F]
+    gate, up = dense_group(h, [p["gate"], p["up"]])
+    h = jax.nn.gelu(gate, approximate=True) * up  # [T, F]
     x = x + rms_norm(dense(h, p["down"]), p["post_ffn_norm"], eps)
     if spec.config.layer_scalar:
         x = x * p["layer_scalar"]

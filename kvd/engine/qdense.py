@@ -29,6 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvd.engine import onednn
+from kvd.engine.onednn import OnednnWeight
 from kvd.engine.wquant import QuantWeight, block_axis, block_size
 
 # Rows up to which the output projection's conversion is fused into its product.
@@ -59,9 +61,21 @@ def dequantized(weight: QuantWeight, dtype: Any) -> jax.Array:
 
 def dense(x: jax.Array, weight: Any) -> jax.Array:
     """``x @ weight`` for ``x [T, in]`` and a weight ``[in, out]``."""
+    if isinstance(weight, OnednnWeight):
+        return dense_group(x, [weight])[0]
     if not isinstance(weight, QuantWeight):
         return x @ weight
     return x @ (dequantized(weight, x.dtype) * after(x))
+
+
+def dense_group(x: jax.Array, weights: list[Any]) -> list[jax.Array]:
+    """``x @ w`` for each of ``weights``: with oneDNN's matrices, one
+    callback for all of them (a callback's fixed cost is paid once)."""
+    if all(isinstance(w, OnednnWeight) for w in weights):
+        if x.shape[0] >= onednn.LAYER_MIN_ROWS:
+            return onednn.dense_many(x, weights)
+        return [dense(x, w.weight) for w in weights]
+    return [dense(x, w) for w in weights]
 
 
 def after(x: jax.Array) -> jax.Array:
@@ -78,6 +92,8 @@ def after(x: jax.Array) -> jax.Array:
 
 def embedding_rows(embed: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
     """Rows ``tokens`` of the embedding ``[V, D]`` in ``dtype``."""
+    if isinstance(embed, OnednnWeight):
+        embed = embed.weight
     if not isinstance(embed, QuantWeight):
         return embed[tokens]
     return dequantized(_rows(embed, tokens), dtype)
@@ -102,6 +118,10 @@ def _fuses_any_rows() -> bool:
 def vocab_major_logits(embed: Any, last: jax.Array) -> jax.Array:
     """``embed @ last.T``: logits ``[V, S]`` for hidden states ``last [S, D]``
     from the tied embedding ``[V, D]`` (the output projection)."""
+    if isinstance(embed, OnednnWeight):
+        if last.shape[0] >= onednn.HEAD_MIN_ROWS:
+            return onednn.vocab_major(embed, last).astype(last.dtype)
+        embed = embed.weight
     if not isinstance(embed, QuantWeight):
         return (last @ embed.T).T
     if last.shape[0] <= FUSED_ROWS or _fuses_any_rows():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvd.engine.config import ATTENTION_CHOICES, EngineDefaults
+from kvd.engine.config import ATTENTION_CHOICES, MATMUL_CHOICES, EngineDefaults
 from kvd.kv.events import EventEncoding, PrivateBlocks
 from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.ledger import BudgetMode, tenant_name_problem
@@ -76,6 +76,10 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The attention implementation: "auto" (the Pallas kernel on a TPU, the
     # jnp reference elsewhere), "reference", "pallas" or "pallas-interpret".
     attention: str = EngineDefaults.ATTENTION
+    # The matrix products: "xla" (XLA's, f32 activations: the reference
+    # numbers), "onednn" (bf16 on oneDNN's AMX or AVX-512 BF16 kernels, on
+    # one CPU device; kvd/engine/onednn.py) or "auto" (onednn where it can run).
+    matmul: str = "xla"
 
 
 class PoolSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -254,6 +258,10 @@ def validate(config: Config) -> None:
     if model.attention not in ATTENTION_CHOICES:
         raise ConfigError(
             f"model.attention: {model.attention!r} is not one of {', '.join(ATTENTION_CHOICES)}"
+        )
+    if model.matmul not in MATMUL_CHOICES:
+        raise ConfigError(
+            f"model.matmul: {model.matmul!r} is not one of {', '.join(MATMUL_CHOICES)}"
         )
     for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
         _positive(f"model.{key}", getattr(model, key))

@@ -158,6 +158,7 @@ def build_engine(
             pool_tokens=pool_tokens,
             tensor_parallel=cfg.tensor_parallel,
             attention=cfg.attention,
+            matmul=cfg.matmul,
         ),
     )
     progress(
@@ -168,6 +169,7 @@ def build_engine(
             "tokens_per_group": pool_tokens,
             "weight_bytes": model.weight_bytes,
             "quantization": model.quantization,
+            "matmul": engine.matmul,
             "quantization_error": round(model.quantization_error, 6),
             **engine.bytes_here(),
         },

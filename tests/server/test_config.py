@@ -53,6 +53,7 @@ def test_dev_config_matches_the_readme() -> None:
         (TENANT + "host_quota = 'lots'\n", "tenants.alice.host_quota"),
         ("[model]\nkv_dtype = 'fp8'\n" + TENANT, "model.kv_dtype: 'fp8' is not one of"),
         ("[model]\nattention = 'cuda'\n" + TENANT, "model.attention: 'cuda' is not one of"),
+        ("[model]\nmatmul = 'mkl'\n" + TENANT, "model.matmul: 'mkl' is not one of auto"),
         ("[model]\nkv_dtype = 'int3'\n" + TENANT, "model.kv_dtype: 'int3'"),
         ("[model]\nmax_num_seqs = 0\n" + TENANT, "model.max_num_seqs: must be > 0"),
         ("", "at least one tenant"),
