@@ -258,9 +258,15 @@ def _tile_attention(
             )
             # Blocks nobody in the tile sees read the null page, never a stale entry.
             pages = jnp.where(seen, tables[seq[:, None], blocks % ring], 0)
-            kv = view[pages, place]  # [B, c, 2, L, K, H]: keys and values in one gather
-            keys = from_pool(kv[:, :, 0].reshape(items, chunk, num_kv, -1), head_dim, q.dtype)
-            values = from_pool(kv[:, :, 1].reshape(items, chunk, num_kv, -1), head_dim, q.dtype)
+            # Keys and values as two gathers ([B, c, L, K, H] each): one gather
+            # of both made XLA:CPU copy each half out of it again (at batch 32
+            # on the 270M, 31 ms of a 190 ms decode step).
+            keys, values = (
+                from_pool(
+                    view[pages, place, half].reshape(items, chunk, num_kv, -1), head_dim, q.dtype
+                )
+                for half in (0, 1)
+            )
             scores = jnp.einsum("bqkgh,bckh->bkgqc", queries[tile], keys).astype(jnp.float32)
             scores = scores * scale
             if softcap is not None:

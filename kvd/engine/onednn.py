@@ -383,6 +383,18 @@ def _as_float(weight: Any) -> np.ndarray[Any, Any]:
     return np.asarray(weight, np.float32)
 
 
+def copy_bytes(params: dict[str, Any]) -> int:
+    """Bytes of the bf16 copies ``prepare`` makes of ``params``' matrices."""
+    elements = sum(
+        int(np.prod(getattr(layer[name], "values", layer[name]).shape))
+        for layer in params["layers"]
+        for name in LAYER_MATRICES
+        if name in layer
+    )
+    embed = params["embed"]
+    return 2 * (elements + int(np.prod(getattr(embed, "values", embed).shape)))
+
+
 def prepare(params: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     """``params`` (per-layer, not stacked) with every layer matrix and the
     tied embedding wrapped as ``OnednnWeight``; and the slots taken (to

@@ -10,7 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvd.engine import compile_cache
+import jax
+
+from kvd.engine import compile_cache, onednn
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
 from kvd.kv.layout import build_layout
@@ -110,7 +112,10 @@ def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
     kv_dtype = config.model.kv_dtype or config.model.dtype
     layout = build_layout(model.config.kv_geometry(kv_dtype), config.pool.block_size)
     if config.pool.size == "auto":
-        budget = _auto_pool_bytes(model.weight_bytes, config.pool.auto_fraction)
+        weight_bytes = model.weight_bytes
+        if _onednn_copies(config):  # the engine's bf16 copies of the matrices
+            weight_bytes += onednn.copy_bytes(model.params)
+        budget = _auto_pool_bytes(weight_bytes, config.pool.auto_fraction)
     else:
         budget = parse_size(config.pool.size)
     tokens = layout.pool_tokens(budget)
@@ -120,6 +125,15 @@ def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
             f"of {layout.page_bytes} bytes"
         )
     return tokens, layout.page_bytes
+
+
+def _onednn_copies(config: Config) -> bool:
+    """Whether the engine will keep oneDNN copies of the weights (as
+    ``Engine`` decides for ``model.matmul``)."""
+    if config.model.matmul == "xla" or onednn.unavailable_reason() is not None:
+        return False
+    single = config.model.tensor_parallel == 1 and config.distributed is None
+    return single and jax.default_backend() == "cpu"
 
 
 def build_engine(
