@@ -415,8 +415,8 @@ class Engine:
         return None
 
     def _choose_matmul(self, cfg: EngineConfig) -> str:
-        """ "xla" or "onednn"; with onednn the placed weights gain their
-        oneDNN forms (``onednn.prepare``)."""
+        """The products the engine runs, xla or onednn; with onednn the
+        placed weights gain their oneDNN forms (``onednn.prepare``)."""
         if cfg.matmul not in MATMUL_CHOICES:
             raise EngineError(f"matmul {cfg.matmul!r} is not one of {', '.join(MATMUL_CHOICES)}")
         if cfg.matmul == "xla":
@@ -430,7 +430,10 @@ class Engine:
             if cfg.matmul == "onednn":
                 raise EngineError(f"matmul onednn: {reason}")
             return "xla"
-        self.params, self._onednn_slots = onednn.prepare(self.params)
+        try:
+            self.params, self._onednn_slots = onednn.prepare(self.params)
+        except onednn.OnednnError as exc:  # the library loaded but refused a call
+            raise EngineError(f"matmul {cfg.matmul}: {exc}") from None
         weakref.finalize(self, onednn.REGISTRY.release, self._onednn_slots)
         return "onednn"
 

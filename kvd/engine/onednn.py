@@ -12,8 +12,9 @@ weights' exact values. ``model.matmul`` chooses.
 
 How the products reach oneDNN: each is a ``jax.pure_callback`` into this
 module, which calls the library through ctypes (no build step: the library
-comes from PyPI's ``onednn-cpu-gomp`` wheel). A callback costs ~70 us, so a
-layer's products that read the same input (q, k, v; gate, up) share one.
+comes from PyPI's ``onednn-cpu-gomp`` wheel). A callback costs 0.25 to 0.5
+ms in jax's machinery (each operand converted, each result copied back), so
+a layer's products that read the same input (q, k, v; gate, up) share one.
 The weights never cross the callback: they live here, converted once at
 load, and a program passes only their slot (an int32 jit argument, so the
 layers still share one trace). Passing the matrices themselves would copy
@@ -23,7 +24,7 @@ Small products keep XLA's: a step's output projection below
 ``HEAD_MIN_ROWS`` rows (one row of int8 weights streams half of bf16's
 bytes, and there every product waits on memory), and the layers' products
 below ``LAYER_MIN_ROWS`` tokens, where a callback's fixed cost (~0.5 ms in
-a real step, 74 of them) outweighs what oneDNN saves: measured on the 270M
+a real step, 73 of them) outweighs what oneDNN saves: measured on the 270M
 at context 464, oneDNN for the head alone decoded 90 tok/s at batch 8
 against 76 with the layers' products too (XLA alone: 76), and 153 against
 156 at batch 32; prefill chunks (hundreds of tokens) gain in full.
@@ -326,7 +327,7 @@ REGISTRY = _Registry()
 
 class OnednnWeight(NamedTuple):
     """A matrix with its oneDNN form: ``weight`` as XLA multiplies it (an
-    array or ``wquant.QuantWeight``, for rows below ``MIN_ROWS``) and
+    array or ``wquant.QuantWeight``, for the small products) and
     ``slot``, the int32 scalar that names its prepared form in ``REGISTRY``."""
 
     weight: Any
@@ -409,12 +410,16 @@ def prepare(params: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         return OnednnWeight(weight, jnp.asarray(slot, jnp.int32))
 
     layers = []
-    for layer in params["layers"]:
-        layer = dict(layer)
-        for name in LAYER_MATRICES:
-            if name in layer:
-                layer[name] = wrap(layer[name], PackedMatrix(_as_float(layer[name])))
-        layers.append(layer)
-    embed = params["embed"]
-    out = {**params, "layers": layers, "embed": wrap(embed, VocabMatrix(_as_float(embed)))}
-    return out, slots
+    try:
+        for layer in params["layers"]:
+            layer = dict(layer)
+            for name in LAYER_MATRICES:
+                if name in layer:
+                    layer[name] = wrap(layer[name], PackedMatrix(_as_float(layer[name])))
+            layers.append(layer)
+        embed = params["embed"]
+        embed = wrap(embed, VocabMatrix(_as_float(embed)))
+    except OnednnError:
+        REGISTRY.release(slots)  # nothing kept of a preparation that failed
+        raise
+    return {**params, "layers": layers, "embed": embed}, slots
