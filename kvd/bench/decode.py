@@ -13,6 +13,7 @@ both alike; each figure is the median of its rounds.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -80,7 +81,9 @@ def _one_run(generator: Any, prompts: list[list[int]], params: Any) -> tuple[flo
 
 def matrix_elements(value: Any) -> int:
     """Parameters in a weight: an array's elements, an int8 weight's values."""
-    return int(np.prod(getattr(value, "values", value).shape))
+    from kvd.engine.wquant import matrix_shape
+
+    return math.prod(matrix_shape(value))
 
 
 def run_decode_bench(

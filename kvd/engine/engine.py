@@ -421,11 +421,8 @@ class Engine:
             raise EngineError(f"matmul {cfg.matmul!r} is not one of {', '.join(MATMUL_CHOICES)}")
         if cfg.matmul == "xla":
             return "xla"
-        reason = onednn.unavailable_reason()
-        if jax.default_backend() != "cpu":
-            reason = f"oneDNN products are for the CPU; this backend is {jax.default_backend()}"
-        elif self.mesh is not None or cfg.scan_layers or jax.process_count() > 1:
-            reason = "oneDNN products run on one CPU device, with unstacked layers"
+        single = self.mesh is None and not cfg.scan_layers and jax.process_count() == 1
+        reason = onednn.unavailable_reason(jax.default_backend(), single)
         if reason is not None:
             if cfg.matmul == "onednn":
                 raise EngineError(f"matmul onednn: {reason}")

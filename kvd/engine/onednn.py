@@ -33,6 +33,7 @@ against 76 with the layers' products too (XLA alone: 76), and 153 against
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import platform
 import sys
@@ -41,6 +42,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from kvd.engine.wquant import QuantWeight, dequantize, matrix_shape
 
 # Rows from which a product goes to oneDNN (see the module's docstring; at
 # one row XLA's fused int8 output projection takes ~5 ms, bf16's ~13-17).
@@ -89,8 +92,14 @@ def _library_path() -> Path | None:
     return None
 
 
-def unavailable_reason() -> str | None:
-    """Why oneDNN's bf16 products cannot run here, or None when they can."""
+def unavailable_reason(backend: str = "cpu", single_device: bool = True) -> str | None:
+    """Why oneDNN's bf16 products cannot run here, or None when they can:
+    for an engine on JAX's ``backend``, over one device (no tensor
+    parallelism, one process) or not."""
+    if backend != "cpu":
+        return f"oneDNN products are for the CPU; this backend is {backend}"
+    if not single_device:
+        return "oneDNN products run on one CPU device, with unstacked layers"
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return "oneDNN products run on x86-64 Linux only"
     flags = _cpu_flags()
@@ -113,7 +122,6 @@ class _Dnnl:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.lib = lib = ctypes.CDLL(str(path))
         lib.dnnl_primitive_desc_query_md.restype = ctypes.c_void_p
-        lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
         self.engine = ctypes.c_void_p()
         self._check(lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU, ctypes.c_size_t(0)))
         self.stream = ctypes.c_void_p()
@@ -335,7 +343,7 @@ class OnednnWeight(NamedTuple):
 
 
 def columns(weight: OnednnWeight) -> int:
-    return int(getattr(weight.weight, "values", weight.weight).shape[-1])
+    return matrix_shape(weight.weight)[-1]
 
 
 def _products(x: Any, *slots: Any) -> tuple[np.ndarray[Any, Any], ...]:
@@ -366,7 +374,7 @@ def vocab_major(embed: OnednnWeight, rows: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
-    vocab = int(getattr(embed.weight, "values", embed.weight).shape[0])
+    vocab = matrix_shape(embed.weight)[0]
     shape = jax.ShapeDtypeStruct((vocab, rows.shape[0]), jnp.float32)
     (out,) = jax.pure_callback(_products, (shape,), rows.astype(jnp.bfloat16), embed.slot)
     return out
@@ -377,8 +385,6 @@ LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _as_float(weight: Any) -> np.ndarray[Any, Any]:
-    from kvd.engine.wquant import QuantWeight, dequantize
-
     if isinstance(weight, QuantWeight):
         return dequantize(QuantWeight(*(None if a is None else np.asarray(a) for a in weight)))
     return np.asarray(weight, np.float32)
@@ -386,14 +392,9 @@ def _as_float(weight: Any) -> np.ndarray[Any, Any]:
 
 def copy_bytes(params: dict[str, Any]) -> int:
     """Bytes of the bf16 copies ``prepare`` makes of ``params``' matrices."""
-    elements = sum(
-        int(np.prod(getattr(layer[name], "values", layer[name]).shape))
-        for layer in params["layers"]
-        for name in LAYER_MATRICES
-        if name in layer
-    )
-    embed = params["embed"]
-    return 2 * (elements + int(np.prod(getattr(embed, "values", embed).shape)))
+    layers = params["layers"]
+    matrices = [layer[name] for layer in layers for name in LAYER_MATRICES if name in layer]
+    return 2 * sum(math.prod(matrix_shape(m)) for m in [*matrices, params["embed"]])
 
 
 def prepare(params: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:

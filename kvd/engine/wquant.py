@@ -47,6 +47,11 @@ class QuantWeight(NamedTuple):
     offset: Any = None
 
 
+def matrix_shape(weight: Any) -> tuple[int, ...]:
+    """The shape of a matrix, stored as an array or as a ``QuantWeight``."""
+    return tuple(int(d) for d in getattr(weight, "values", weight).shape)
+
+
 def block_axis(weight: QuantWeight) -> int:
     """The axis (-2 or -1) the blocks run along: the one the scale is shorter on."""
     rows, cols = weight.values.shape[-2:]

@@ -130,10 +130,10 @@ def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
 def _onednn_copies(config: Config) -> bool:
     """Whether the engine will keep oneDNN copies of the weights (as
     ``Engine`` decides for ``model.matmul``)."""
-    if config.model.matmul == "xla" or onednn.unavailable_reason() is not None:
+    if config.model.matmul == "xla":
         return False
     single = config.model.tensor_parallel == 1 and config.distributed is None
-    return single and jax.default_backend() == "cpu"
+    return onednn.unavailable_reason(jax.default_backend(), single) is None
 
 
 def build_engine(
