@@ -38,6 +38,7 @@ import os
 import platform
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -152,10 +153,9 @@ class _Dnnl:
         )
         return mem
 
-    def matmul(
+    def _matmul_desc(
         self, src: ctypes.c_void_p, weights: ctypes.c_void_p, dst: ctypes.c_void_p
-    ) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
-        """(primitive, its primitive descriptor)."""
+    ) -> ctypes.c_void_p:
         pd = ctypes.c_void_p()
         self._check(
             self.lib.dnnl_matmul_primitive_desc_create(
@@ -163,9 +163,38 @@ class _Dnnl:
             ),
             "matmul descriptor",
         )
+        return pd
+
+    def _primitive(self, pd: ctypes.c_void_p, what: str) -> ctypes.c_void_p:
+        """The primitive of a descriptor, which it then destroys."""
         prim = ctypes.c_void_p()
-        self._check(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "matmul")
-        return prim, pd
+        try:
+            self._check(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), what)
+        finally:
+            self.lib.dnnl_primitive_desc_destroy(pd)
+        return prim
+
+    def matmul(
+        self, src: ctypes.c_void_p, weights: ctypes.c_void_p, dst: ctypes.c_void_p
+    ) -> ctypes.c_void_p:
+        return self._primitive(self._matmul_desc(src, weights, dst), "matmul")
+
+    def preferred_weights(
+        self, src: ctypes.c_void_p, weights: ctypes.c_void_p, dst: ctypes.c_void_p
+    ) -> ctypes.c_void_p:
+        """The weights' layout oneDNN picks for a matmul whose weights are
+        given as ``any`` (a descriptor of its own)."""
+        pd = self._matmul_desc(src, weights, dst)
+        chosen = ctypes.c_void_p()
+        try:
+            queried = self.lib.dnnl_primitive_desc_query_md(pd, _QUERY_WEIGHTS_MD, 0)
+            self._check(
+                self.lib.dnnl_memory_desc_clone(ctypes.byref(chosen), ctypes.c_void_p(queried)),
+                "descriptor clone",
+            )
+        finally:
+            self.lib.dnnl_primitive_desc_destroy(pd)
+        return chosen
 
     def reorder(self, src: ctypes.c_void_p, dst: ctypes.c_void_p) -> ctypes.c_void_p:
         pd = ctypes.c_void_p()
@@ -175,9 +204,18 @@ class _Dnnl:
             ),
             "reorder descriptor",
         )
-        prim = ctypes.c_void_p()
-        self._check(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "reorder")
-        return prim
+        return self._primitive(pd, "reorder")
+
+    def destroy(self, handles: list[tuple[str, ctypes.c_void_p]]) -> None:
+        """``dnnl_<kind>_destroy`` for each (kind, handle): memory,
+        memory_desc or primitive."""
+        for kind, handle in handles:
+            getattr(self.lib, f"dnnl_{kind}_destroy")(handle)
+
+    def destroy_with(self, owner: object, handles: list[tuple[str, ctypes.c_void_p]]) -> None:
+        """Destroy ``handles`` when ``owner`` is collected: a released
+        matrix gives back its native copy, not only its Python object."""
+        weakref.finalize(owner, self.destroy, handles)
 
     def execute(self, prim: ctypes.c_void_p, args: list[tuple[int, ctypes.c_void_p]]) -> None:
         packed = (_ExecArg * len(args))(*(_ExecArg(kind, mem) for kind, mem in args))
@@ -207,6 +245,7 @@ class _Operand:
         self.desc = dnnl.desc(dims, dtype, _AB)
         self.memory = dnnl.memory(self.desc, ctypes.c_void_p(None))
         self._dnnl = dnnl
+        dnnl.destroy_with(self, [("memory", self.memory), ("memory_desc", self.desc)])
 
     def at(self, array: np.ndarray[Any, Any]) -> ctypes.c_void_p:
         self._dnnl._check(
@@ -229,18 +268,23 @@ class PackedMatrix:
         self.k, self.n = (int(d) for d in weight.shape)
         plain = np.ascontiguousarray(weight, dtype=ml_dtypes.bfloat16)
         # The layout oneDNN prefers for these weights (at a mid-sized row count).
-        _, pd = dnnl.matmul(
+        asked = [
             dnnl.desc((64, self.k), _BF16, _AB),
             dnnl.desc((self.k, self.n), _BF16, _ANY),
             dnnl.desc((64, self.n), _F32, _AB),
-        )
-        self.desc = ctypes.c_void_p(dnnl.lib.dnnl_primitive_desc_query_md(pd, _QUERY_WEIGHTS_MD, 0))
+        ]
+        try:
+            self.desc = dnnl.preferred_weights(*asked)
+        finally:
+            dnnl.destroy([("memory_desc", desc) for desc in asked])
         self.memory = dnnl.memory(self.desc, _ALLOCATE)
+        dnnl.destroy_with(self, [("memory", self.memory), ("memory_desc", self.desc)])
         source = _Operand(dnnl, (self.k, self.n), _BF16)
-        dnnl.execute(
-            dnnl.reorder(source.desc, self.desc),
-            [(_ARG_SRC, source.at(plain)), (_ARG_DST, self.memory)],
-        )
+        convert = dnnl.reorder(source.desc, self.desc)
+        try:
+            dnnl.execute(convert, [(_ARG_SRC, source.at(plain)), (_ARG_DST, self.memory)])
+        finally:
+            dnnl.destroy([("primitive", convert)])
         self._kernels: dict[int, tuple[ctypes.c_void_p, _Operand, _Operand]] = {}
         self.calls = 0
 
@@ -250,7 +294,8 @@ class PackedMatrix:
             dnnl = self._dnnl
             src = _Operand(dnnl, (rows, self.k), _BF16)
             dst = _Operand(dnnl, (rows, self.n), _F32)
-            prim, _ = dnnl.matmul(src.desc, self.desc, dst.desc)
+            prim = dnnl.matmul(src.desc, self.desc, dst.desc)
+            dnnl.destroy_with(self, [("primitive", prim)])
             kernel = self._kernels[rows] = (prim, src, dst)
         return kernel
 
@@ -290,7 +335,8 @@ class VocabMatrix:
         if kernel is None:
             xt = _Operand(dnnl, (self.d, rows), _BF16)
             dst = _Operand(dnnl, (self.vocab, rows), _F32)
-            prim, _ = dnnl.matmul(self._embed.desc, xt.desc, dst.desc)
+            prim = dnnl.matmul(self._embed.desc, xt.desc, dst.desc)
+            dnnl.destroy_with(self, [("primitive", prim)])
             kernel = self._kernels[rows] = (prim, xt, dst)
         prim, xt, dst = kernel
         transposed = np.ascontiguousarray(x.T)
