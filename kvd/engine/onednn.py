@@ -108,6 +108,10 @@ def unavailable_reason(backend: str = "cpu", single_device: bool = True) -> str 
         return "the CPU has neither AMX nor AVX-512 BF16 (bf16 would be emulated, slower than f32)"
     if _library_path() is None:
         return f"{_LIBRARY} not found under {sys.prefix}/lib (pip install onednn-cpu-gomp)"
+    try:  # found is not loadable: it needs the system's libgomp, for one
+        _runtime()
+    except OnednnError as exc:
+        return str(exc)
     return None
 
 
@@ -121,7 +125,10 @@ class _Dnnl:
         # OpenMP threads that spin after a product would take the cores
         # from XLA's threads, which run the rest of the step.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.lib = lib = ctypes.CDLL(str(path))
+        try:
+            self.lib = lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise OnednnError(f"cannot load {path}: {exc}") from None
         lib.dnnl_primitive_desc_query_md.restype = ctypes.c_void_p
         self.engine = ctypes.c_void_p()
         self._check(lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU, ctypes.c_size_t(0)))

@@ -123,3 +123,18 @@ def test_an_engine_lets_its_prepared_matrices_go() -> None:
         with pytest.raises(KeyError):
             onednn.REGISTRY.get(slot)
     assert all(matrix() is None for matrix in matrices)
+
+
+def test_a_library_that_does_not_load_leaves_xla(tmp_path: Any, monkeypatch: Any) -> None:
+    """A libdnnl that is there but does not load (on a machine without the
+    libgomp it needs, say): ``auto`` keeps XLA's products, ``onednn`` says why."""
+    broken = tmp_path / "libdnnl.so.3"
+    broken.write_text("not a library")
+    monkeypatch.setattr(onednn, "_library_path", lambda: broken)
+    monkeypatch.setattr(onednn, "_dnnl", None)
+    reason = onednn.unavailable_reason()
+    assert reason is not None and reason.startswith(f"cannot load {broken}")
+    model = random_model(512, sliding_window=16)
+    assert _engine(model, "auto").matmul == "xla"
+    with pytest.raises(EngineError, match="matmul onednn: cannot load"):
+        _engine(model, "onednn")
