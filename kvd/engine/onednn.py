@@ -1,33 +1,43 @@
 """The model's matrix products on oneDNN's bf16 kernels (Intel AMX, or
 AVX-512 BF16), for XLA:CPU, which has no fast path for either.
 
-On this project's CPU (a Xeon with AMX) XLA:CPU's f32 products run the
-270M's output projection (262,144 x 640) at 32 rows in ~73 ms, and its bf16
-and int8 products are slower still (~220 and ~430 ms); oneDNN's AMX kernel
-does the same product in bf16 in ~19 ms, and the 18 layers' products at 32
-rows in a fraction of XLA's ~58 ms. vLLM's CPU backend serves through the
-same library. The cost is precision: activations and weights are rounded to
-bf16 (vLLM's CPU numbers), where ``xla`` keeps f32 activations and the
-weights' exact values. ``model.matmul`` chooses.
+On a Xeon with AMX, XLA:CPU's f32 products run the 270M's output projection
+(262,144 x 640) at 32 rows in ~73 ms, and its bf16 and int8 products are
+slower still (~220 and ~430 ms); oneDNN's AMX kernel does the same product
+in bf16 in ~19 ms. vLLM's CPU backend serves through the same library. The
+cost is precision: activations and weights are rounded to bf16 (vLLM's CPU
+numbers), where ``xla`` keeps f32 activations and the weights' exact values.
+``model.matmul`` chooses.
 
-How the products reach oneDNN: each is a ``jax.pure_callback`` into this
-module, which calls the library through ctypes (no build step: the library
-comes from PyPI's ``onednn-cpu-gomp`` wheel). A callback costs 0.25 to 0.5
-ms in jax's machinery (each operand converted, each result copied back), so
-a layer's products that read the same input (q, k, v; gate, up) share one.
-The weights never cross the callback: they live here, converted once at
-load, and a program passes only their slot (an int32 jit argument, so the
-layers still share one trace). Passing the matrices themselves would copy
-them at every call (jax hands callbacks copies: 170 ms a step).
+How the products reach oneDNN: an XLA FFI custom call whose handler, in
+this module, calls the library through ctypes (no build step: the library
+comes from PyPI's ``onednn-cpu-gomp`` wheel). XLA passes the handler its
+buffers in place, so a call costs the library's work and a few
+microseconds. A ``jax.pure_callback`` cost 0.25 to 0.5 ms a call (operands
+converted, results copied back: 33 MB of logits a step at 32 rows). A
+layer's products that read the same input (q, k, v; gate, up) share one
+call. The weights never cross the call: they live here, converted once at
+load to oneDNN's blocked layout, and a program passes only their slot (an
+int32 jit argument, so the layers share one trace). Programs with these
+calls are cached on disk like any other: the handler is registered by name
+before a program is traced.
 
-Small products keep XLA's: a step's output projection below
-``HEAD_MIN_ROWS`` rows (one row of int8 weights streams half of bf16's
-bytes, and there every product waits on memory), and the layers' products
-below ``LAYER_MIN_ROWS`` tokens, where a callback's fixed cost (~0.5 ms in
-a real step, 73 of them) outweighs what oneDNN saves: measured on the 270M
-at context 464, oneDNN for the head alone decoded 90 tok/s at batch 8
-against 76 with the layers' products too (XLA alone: 76), and 153 against
-156 at batch 32; prefill chunks (hundreds of tokens) gain in full.
+The output projection is the tied embedding transposed (``[D, V]``),
+multiplied like a layer's matrix and transposed back to the sampler's
+vocabulary-major layout by XLA. With the embedding as the left operand
+(vocabulary-major at once) oneDNN's kernel took 22-24 ms at 1 to 32 rows
+on an AMD EPYC with AVX-512 BF16, against 8-19 ms this way; a
+vocabulary-major result descriptor falls to its reference kernel (13 s).
+
+Small products keep XLA's: the output projection at one row, where XLA's
+fused int8 product streams half of bf16's bytes (~5 ms inside a step,
+against oneDNN's ~8.5), and the layers' products below ``LAYER_MIN_ROWS``
+tokens. Measured in whole decode steps on that EPYC (context 464,
+interleaved rounds): every product on oneDNN gave 39 tok/s at batch 1
+against XLA's 62; with these thresholds, 192 against 179 at batch 8 and 359
+against 332 at batch 32, and oneDNN's layers at 8 and 32 rows were within
+the rounds' noise of XLA's. Prefill chunks (64 tokens and more) run on
+oneDNN in full.
 """
 
 from __future__ import annotations
@@ -40,15 +50,14 @@ import sys
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from kvd.engine.wquant import QuantWeight, dequantize, matrix_shape
 
-# Rows from which a product goes to oneDNN (see the module's docstring; at
-# one row XLA's fused int8 output projection takes ~5 ms, bf16's ~13-17).
-HEAD_MIN_ROWS = 4
+# Rows from which a product goes to oneDNN (see the module's docstring).
+HEAD_MIN_ROWS = 2
 LAYER_MIN_ROWS = 64
 
 # oneDNN's C API constants (dnnl_types.h, oneDNN 3.x).
@@ -264,6 +273,35 @@ class _Operand:
         return self.memory
 
 
+class _HasMemory(Protocol):  # an _Operand, or a matrix with its weights' memory object
+    memory: ctypes.c_void_p
+
+
+def _exec_args(*args: tuple[int, _HasMemory]) -> ctypes.Array[_ExecArg]:
+    return (_ExecArg * len(args))(*(_ExecArg(kind, owner.memory) for kind, owner in args))
+
+
+class _Kernel(NamedTuple):
+    """A matmul for one row count: its primitive, the operands whose
+    handles each call re-points, and the execution's argument list."""
+
+    primitive: ctypes.c_void_p
+    src: _Operand
+    dst: _Operand
+    args: ctypes.Array[_ExecArg]
+
+    def run(self, dnnl: _Dnnl, src: int, dst: int) -> None:
+        lib = dnnl.lib
+        check = dnnl._check
+        check(lib.dnnl_memory_set_data_handle(self.src.memory, ctypes.c_void_p(src)), "set handle")
+        check(lib.dnnl_memory_set_data_handle(self.dst.memory, ctypes.c_void_p(dst)), "set handle")
+        check(
+            lib.dnnl_primitive_execute(self.primitive, dnnl.stream, len(self.args), self.args),
+            "execute",
+        )
+        check(lib.dnnl_stream_wait(dnnl.stream), "stream wait")
+
+
 class PackedMatrix:
     """``x @ W`` for a weight ``W [K, N]``, kept in the blocked bf16 layout
     oneDNN's kernel reads (converted once, here)."""
@@ -292,70 +330,29 @@ class PackedMatrix:
             dnnl.execute(convert, [(_ARG_SRC, source.at(plain)), (_ARG_DST, self.memory)])
         finally:
             dnnl.destroy([("primitive", convert)])
-        self._kernels: dict[int, tuple[ctypes.c_void_p, _Operand, _Operand]] = {}
+        self._kernels: dict[int, _Kernel] = {}
         self.calls = 0
 
-    def _kernel(self, rows: int) -> tuple[ctypes.c_void_p, _Operand, _Operand]:
+    def run(self, rows: int, src: int, dst: int) -> None:
+        """``dst [rows, N]`` f32 = ``src [rows, K]`` bf16 times the weight,
+        both given as addresses of row-major arrays."""
         kernel = self._kernels.get(rows)
         if kernel is None:
             dnnl = self._dnnl
-            src = _Operand(dnnl, (rows, self.k), _BF16)
-            dst = _Operand(dnnl, (rows, self.n), _F32)
-            prim = dnnl.matmul(src.desc, self.desc, dst.desc)
+            x = _Operand(dnnl, (rows, self.k), _BF16)
+            out = _Operand(dnnl, (rows, self.n), _F32)
+            prim = dnnl.matmul(x.desc, self.desc, out.desc)
             dnnl.destroy_with(self, [("primitive", prim)])
-            kernel = self._kernels[rows] = (prim, src, dst)
-        return kernel
+            kernel = self._kernels[rows] = _Kernel(
+                prim, x, out, _exec_args((_ARG_SRC, x), (_ARG_WEIGHTS, self), (_ARG_DST, out))
+            )
+        kernel.run(self._dnnl, src, dst)
 
     def product(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """``x [rows, K]`` (bf16, contiguous) times the weight: ``[rows, N]`` f32."""
-        rows = x.shape[0]
-        out = np.empty((rows, self.n), np.float32)
-        prim, src, dst = self._kernel(rows)
-        self._dnnl.execute(
-            prim, [(_ARG_SRC, src.at(x)), (_ARG_WEIGHTS, self.memory), (_ARG_DST, dst.at(out))]
-        )
-        return out
-
-
-class VocabMatrix:
-    """The output projection ``E @ x.T`` for a tied embedding ``E [V, D]``,
-    kept plain in bf16: the embedding is the product's left operand, so the
-    logits come out vocabulary-major (``[V, rows]``, the sampler's layout)
-    with no transpose and the matrix needs no blocked copy."""
-
-    def __init__(self, embed: np.ndarray[Any, Any]) -> None:
-        import ml_dtypes
-
-        self._dnnl = _runtime()
-        self.vocab, self.d = (int(d) for d in embed.shape)
-        self.values = np.ascontiguousarray(embed, dtype=ml_dtypes.bfloat16)
-        self._embed = _Operand(self._dnnl, (self.vocab, self.d), _BF16)
-        self._embed.at(self.values)
-        self._kernels: dict[int, tuple[ctypes.c_void_p, _Operand, _Operand]] = {}
-        self.calls = 0
-
-    def product(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """``x [rows, D]`` (bf16): logits ``[V, rows]`` f32."""
-        rows = x.shape[0]
-        kernel = self._kernels.get(rows)
-        dnnl = self._dnnl
-        if kernel is None:
-            xt = _Operand(dnnl, (self.d, rows), _BF16)
-            dst = _Operand(dnnl, (self.vocab, rows), _F32)
-            prim = dnnl.matmul(self._embed.desc, xt.desc, dst.desc)
-            dnnl.destroy_with(self, [("primitive", prim)])
-            kernel = self._kernels[rows] = (prim, xt, dst)
-        prim, xt, dst = kernel
-        transposed = np.ascontiguousarray(x.T)
-        out = np.empty((self.vocab, rows), np.float32)
-        dnnl.execute(
-            prim,
-            [
-                (_ARG_SRC, self._embed.memory),
-                (_ARG_WEIGHTS, xt.at(transposed)),
-                (_ARG_DST, dst.at(out)),
-            ],
-        )
+        x = np.ascontiguousarray(x)
+        out = np.empty((x.shape[0], self.n), np.float32)
+        self.run(x.shape[0], x.ctypes.data, out.ctypes.data)
         return out
 
 
@@ -363,18 +360,18 @@ class _Registry:
     """The prepared matrices of every engine in the process, by slot."""
 
     def __init__(self) -> None:
-        self._matrices: dict[int, PackedMatrix | VocabMatrix] = {}
+        self._matrices: dict[int, PackedMatrix] = {}
         self._next = 0
         self._lock = threading.Lock()
 
-    def add(self, matrix: PackedMatrix | VocabMatrix) -> int:
+    def add(self, matrix: PackedMatrix) -> int:
         with self._lock:
             slot = self._next
             self._next += 1
             self._matrices[slot] = matrix
             return slot
 
-    def get(self, slot: int) -> PackedMatrix | VocabMatrix:
+    def get(self, slot: int) -> PackedMatrix:
         return self._matrices[slot]
 
     def release(self, slots: list[int]) -> None:
@@ -399,26 +396,116 @@ def columns(weight: OnednnWeight) -> int:
     return matrix_shape(weight.weight)[-1]
 
 
-def _products(x: Any, *slots: Any) -> tuple[np.ndarray[Any, Any], ...]:
-    rows = np.ascontiguousarray(np.asarray(x))
-    runtime = _runtime()
-    matrices = [REGISTRY.get(int(np.asarray(slot))) for slot in slots]
-    with runtime.lock:
-        for matrix in matrices:
-            matrix.calls += 1
-        return tuple(matrix.product(rows) for matrix in matrices)
+# The products are an XLA FFI custom call (the typed API of
+# jaxlib/include/xla/ffi/api/c_api.h) whose handler is a ctypes function:
+# XLA hands it its operands' and results' buffers in place, so a product
+# costs the library call and a few field reads (~10 us). jax.pure_callback
+# cost ~0.25 ms a product (each operand converted, each result copied back),
+# which kept the small products on XLA. Byte offsets below are the C
+# structs' on 64-bit Linux.
+_TARGET = "kvd_onednn_products"
+_FRAME_EXTENSIONS, _FRAME_API, _FRAME_STAGE, _FRAME_ARGS, _FRAME_RETS = 8, 16, 32, 40, 80
+_LIST_SIZE, _LIST_ITEMS = 16, 32  # XLA_FFI_Args and XLA_FFI_Rets
+_BUFFER_DATA, _BUFFER_DIMS = 24, 40  # XLA_FFI_Buffer
+_API_VERSION, _API_ERROR_CREATE = 16, 48  # XLA_FFI_Api
+_EXTENSION_TYPE, _EXTENSION_NEXT, _METADATA = 8, 16, 24
+_METADATA_EXTENSION, _EXECUTE, _INTERNAL = 1, 3, 13
+_VERSION_SIZE = 24  # XLA_FFI_Api_Version
+
+
+class _ErrorArgs(ctypes.Structure):  # XLA_FFI_Error_Create_Args
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("message", ctypes.c_char_p),
+        ("errc", ctypes.c_int),
+    ]
+
+
+_ErrorCreate = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_ErrorArgs))
+
+
+def _word(address: int) -> int:
+    return ctypes.c_void_p.from_address(address).value or 0
+
+
+def _int64(address: int) -> int:
+    return ctypes.c_int64.from_address(address).value
+
+
+def _answer_metadata(frame: int) -> bool:
+    """Fill the metadata XLA asks of a handler at registration (its FFI
+    version: the one XLA passes; no traits, no state); False when this is
+    not that query."""
+    extension = _word(frame + _FRAME_EXTENSIONS)
+    while extension:
+        if ctypes.c_int.from_address(extension + _EXTENSION_TYPE).value == _METADATA_EXTENSION:
+            metadata = _word(extension + _METADATA)
+            api_version = _word(frame + _FRAME_API) + _API_VERSION
+            ctypes.memmove(metadata + 8, api_version, _VERSION_SIZE)
+            ctypes.c_uint32.from_address(metadata + 8 + _VERSION_SIZE).value = 0
+            ctypes.c_int64.from_address(metadata + 16 + _VERSION_SIZE).value = 0
+            return True
+        extension = _word(extension + _EXTENSION_NEXT)
+    return False
+
+
+def _error(frame: int, message: str) -> int | None:
+    create = _ErrorCreate(_word(_word(frame + _FRAME_API) + _API_ERROR_CREATE))
+    args = _ErrorArgs(ctypes.sizeof(_ErrorArgs), None, message.encode(), _INTERNAL)
+    error: int | None = create(ctypes.byref(args))
+    return error
+
+
+def _products(frame: int) -> int | None:
+    """The handler: operand 0 is the products' shared input, each further
+    operand an int32 slot; result i is the product with slot i."""
+    try:
+        if _answer_metadata(frame):
+            return None
+        if ctypes.c_int.from_address(frame + _FRAME_STAGE).value != _EXECUTE:
+            return None
+        operands = _word(frame + _FRAME_ARGS + _LIST_ITEMS)
+        count = _int64(frame + _FRAME_ARGS + _LIST_SIZE)
+        results = _word(frame + _FRAME_RETS + _LIST_ITEMS)
+        x = _word(operands)
+        src, rows = _word(x + _BUFFER_DATA), _int64(_word(x + _BUFFER_DIMS))
+        runtime = _runtime()
+        with runtime.lock:
+            for i in range(1, count):
+                slot = _word(operands + 8 * i) + _BUFFER_DATA
+                matrix = REGISTRY.get(ctypes.c_int32.from_address(_word(slot)).value)
+                matrix.calls += 1
+                dst = _word(_word(results + 8 * (i - 1)) + _BUFFER_DATA)
+                matrix.run(rows, src, dst)
+        return None
+    except BaseException as exc:  # noqa: BLE001 - XLA must hear of any failure
+        return _error(frame, f"oneDNN product failed: {exc!r}")
+
+
+_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(_products)
+_registered = False
+
+
+def _call(operand: Any, slots: list[Any], shapes: list[Any]) -> list[Any]:
+    import jax
+
+    global _registered
+    with _dnnl_lock:
+        if not _registered:
+            jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(_HANDLER), platform="cpu")
+            _registered = True
+    return list(jax.ffi.ffi_call(_TARGET, shapes)(operand, *slots))
 
 
 def dense_many(x: Any, weights: list[OnednnWeight]) -> list[Any]:
     """``x @ w`` for each of ``weights`` (all reading the same ``x [T, K]``)
-    in one callback; results in ``x``'s dtype."""
+    in one call; results in ``x``'s dtype."""
     import jax
     import jax.numpy as jnp
 
     shapes = [jax.ShapeDtypeStruct((x.shape[0], columns(w)), jnp.float32) for w in weights]
-    outs = jax.pure_callback(
-        _products, tuple(shapes), x.astype(jnp.bfloat16), *(w.slot for w in weights)
-    )
+    outs = _call(x.astype(jnp.bfloat16), [w.slot for w in weights], shapes)
     return [out.astype(x.dtype) for out in outs]
 
 
@@ -428,9 +515,9 @@ def vocab_major(embed: OnednnWeight, rows: Any) -> Any:
     import jax.numpy as jnp
 
     vocab = matrix_shape(embed.weight)[0]
-    shape = jax.ShapeDtypeStruct((vocab, rows.shape[0]), jnp.float32)
-    (out,) = jax.pure_callback(_products, (shape,), rows.astype(jnp.bfloat16), embed.slot)
-    return out
+    shape = jax.ShapeDtypeStruct((rows.shape[0], vocab), jnp.float32)
+    (out,) = _call(rows.astype(jnp.bfloat16), [embed.slot], [shape])
+    return out.T
 
 
 # The layers' matrices (model.py's names) and how each is stored: [in, out].
@@ -458,7 +545,7 @@ def prepare(params: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
 
     slots: list[int] = []
 
-    def wrap(weight: Any, matrix: PackedMatrix | VocabMatrix) -> OnednnWeight:
+    def wrap(weight: Any, matrix: PackedMatrix) -> OnednnWeight:
         slot = REGISTRY.add(matrix)
         slots.append(slot)
         return OnednnWeight(weight, jnp.asarray(slot, jnp.int32))
@@ -472,7 +559,7 @@ def prepare(params: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
                     layer[name] = wrap(layer[name], PackedMatrix(_as_float(layer[name])))
             layers.append(layer)
         embed = params["embed"]
-        embed = wrap(embed, VocabMatrix(_as_float(embed)))
+        embed = wrap(embed, PackedMatrix(np.ascontiguousarray(_as_float(embed).T)))
     except OnednnError:
         REGISTRY.release(slots)  # nothing kept of a preparation that failed
         raise

@@ -69,8 +69,8 @@ def dense(x: jax.Array, weight: Any) -> jax.Array:
 
 
 def dense_group(x: jax.Array, weights: list[Any]) -> list[jax.Array]:
-    """``x @ w`` for each of ``weights``: with oneDNN's matrices, one
-    callback for all of them (a callback's fixed cost is paid once)."""
+    """``x @ w`` for each of ``weights``: with oneDNN's matrices, one call
+    into the library for all of them."""
     if all(isinstance(w, OnednnWeight) for w in weights):
         if x.shape[0] >= onednn.LAYER_MIN_ROWS:
             return onednn.dense_many(x, weights)

@@ -43,10 +43,39 @@ def test_products_are_the_f32_products_of_bf16_operands(rows: int) -> None:
     x = rng.standard_normal((rows, 96)).astype(ml_dtypes.bfloat16)
     packed = onednn.PackedMatrix(weight)
     assert_bf16_product(packed.product(x), x, weight)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_programs_reach_the_products_and_hear_of_a_failure(rows: int) -> None:
+    """Inside a jitted program (XLA's FFI call): two products sharing one
+    input, the output projection vocabulary-major, and a slot that names no
+    matrix fails the call with the reason instead of writing nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    first, second = (rng.standard_normal((96, n)).astype(np.float32) for n in (80, 16))
     embed = rng.standard_normal((300, 96)).astype(np.float32)
-    logits = onednn.VocabMatrix(embed).product(x)
-    assert logits.shape == (300, rows)  # vocabulary-major
-    assert_bf16_product(logits.T, x, embed.T)
+    prepared, slots = onednn.prepare({"layers": [{"q": first, "k": second}], "embed": embed})
+    layer = prepared["layers"][0]
+
+    @jax.jit
+    def run(x: Any, head: onednn.OnednnWeight) -> Any:
+        q, k = onednn.dense_many(x, [layer["q"], layer["k"]])
+        return q, k, onednn.vocab_major(head, x)
+
+    try:
+        q, k, logits = run(jnp.asarray(x), prepared["embed"])
+        assert_bf16_product(q, x, first)
+        assert_bf16_product(k, x, second)
+        assert logits.shape == (300, rows)  # the sampler's layout
+        assert_bf16_product(np.asarray(logits).T, x, embed.T)
+        missing = onednn.OnednnWeight(prepared["embed"].weight, jnp.asarray(10**6, jnp.int32))
+        with pytest.raises(Exception, match="oneDNN product failed: KeyError"):
+            jax.block_until_ready(run(jnp.asarray(x), missing))
+    finally:
+        onednn.REGISTRY.release(slots)
 
 
 def _engine(model: LoadedModel, matmul: str, **kwargs: Any) -> Engine:
@@ -66,10 +95,10 @@ def _matrices(engine: Engine) -> list[Any]:
 
 
 def test_an_onednn_engine_scores_what_the_xla_engine_scores() -> None:
-    """Four prompts prefilled in one step (142 tokens: the layers' products
-    on oneDNN) and decoded together (four rows: the output projection on
-    oneDNN): while the two engines' greedy tokens agree, every token's top
-    alternatives carry the same logprobs within bf16's precision."""
+    """Four prompts prefilled in one step (142 tokens) and decoded together
+    (four rows), every product on oneDNN: while the two engines' greedy
+    tokens agree, every token's top alternatives carry the same logprobs
+    within bf16's precision."""
     model = random_model(512, sliding_window=16, seed=5)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 512, n).tolist() for n in (70, 23, 40, 9)]
