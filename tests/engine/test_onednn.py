@@ -167,3 +167,20 @@ def test_a_library_that_does_not_load_leaves_xla(tmp_path: Any, monkeypatch: Any
     assert _engine(model, "auto").matmul == "xla"
     with pytest.raises(EngineError, match="matmul onednn: cannot load"):
         _engine(model, "onednn")
+
+
+def test_an_ffi_of_another_version_leaves_xla(tmp_path: Any, monkeypatch: Any) -> None:
+    """The handler reads XLA's call frames by offset (the FFI's C API 0.x): a
+    jax whose FFI is another major version makes ``auto`` keep XLA's products."""
+    import jax
+
+    header = tmp_path / "xla" / "ffi" / "api" / "c_api.h"
+    header.parent.mkdir(parents=True)
+    header.write_text("#define XLA_FFI_API_MAJOR 1\n#define XLA_FFI_API_MINOR 0\n")
+    monkeypatch.setattr(jax.ffi, "include_dir", lambda: str(tmp_path))
+    reason = onednn.unavailable_reason()
+    assert reason is not None and "not the C API 0.x" in reason
+    model = random_model(512, sliding_window=16)
+    assert _engine(model, "auto").matmul == "xla"
+    with pytest.raises(EngineError, match="not the C API 0.x"):
+        _engine(model, "onednn")
