@@ -429,6 +429,7 @@ _LIST_SIZE, _LIST_ITEMS = 16, 32  # XLA_FFI_Args and XLA_FFI_Rets
 _BUFFER_DATA, _BUFFER_DIMS = 24, 40  # XLA_FFI_Buffer
 _API_VERSION, _API_ERROR_CREATE = 16, 48  # XLA_FFI_Api
 _EXTENSION_TYPE, _EXTENSION_NEXT, _METADATA = 8, 16, 24
+_METADATA_VERSION, _METADATA_TRAITS, _METADATA_STATE = 8, 32, 40  # XLA_FFI_Metadata
 _METADATA_EXTENSION, _EXECUTE, _INTERNAL = 1, 3, 13
 _VERSION_SIZE = 24  # XLA_FFI_Api_Version
 
@@ -462,9 +463,9 @@ def _answer_metadata(frame: int) -> bool:
         if ctypes.c_int.from_address(extension + _EXTENSION_TYPE).value == _METADATA_EXTENSION:
             metadata = _word(extension + _METADATA)
             api_version = _word(frame + _FRAME_API) + _API_VERSION
-            ctypes.memmove(metadata + 8, api_version, _VERSION_SIZE)
-            ctypes.c_uint32.from_address(metadata + 8 + _VERSION_SIZE).value = 0
-            ctypes.c_int64.from_address(metadata + 16 + _VERSION_SIZE).value = 0
+            ctypes.memmove(metadata + _METADATA_VERSION, api_version, _VERSION_SIZE)
+            ctypes.c_uint32.from_address(metadata + _METADATA_TRAITS).value = 0
+            ctypes.c_int64.from_address(metadata + _METADATA_STATE).value = 0
             return True
         extension = _word(extension + _EXTENSION_NEXT)
     return False

@@ -95,10 +95,10 @@ def _matrices(engine: Engine) -> list[Any]:
 
 
 def test_an_onednn_engine_scores_what_the_xla_engine_scores() -> None:
-    """Four prompts prefilled in one step (142 tokens) and decoded together
-    (four rows), every product on oneDNN: while the two engines' greedy
-    tokens agree, every token's top alternatives carry the same logprobs
-    within bf16's precision."""
+    """Four prompts prefilled in one step (142 tokens: the layers' products
+    on oneDNN) and decoded together (four rows: the output projection on
+    oneDNN): while the two engines' greedy tokens agree, every token's top
+    alternatives carry the same logprobs within bf16's precision."""
     model = random_model(512, sliding_window=16, seed=5)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 512, n).tolist() for n in (70, 23, 40, 9)]
