@@ -10,7 +10,8 @@ it starts use it too. Only the assembled model is shared between them (a
 ``models`` link to one directory): it is written under a file lock and by
 rename. XLA's cache writes its entries in place, so a worker reading one
 that another is still writing would see it damaged: they are not shared.
-The run's directory is removed when the run ends.
+The run's directory is removed when the run ends, and so is the directory
+under /tmp where the tests make their sockets' directories (``short_dir``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ _RUN_CACHE = "KVD_TEST_RUN_CACHE"
 # the drain test's 600 tokens on a busy machine).
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 _MADE_BY = "KVD_TEST_RUN_CACHE_MADE_BY"
+_SHORT = "KVD_TEST_SHORT_DIR"
+
+
+def short_dir(prefix: str = "kvd-") -> str:
+    """A new directory with a short path, for Unix sockets (a socket's path
+    is limited to 107 bytes, and pytest's own temporary paths are long):
+    inside the run's directory under /tmp, removed when the run ends."""
+    return tempfile.mkdtemp(prefix=prefix, dir=os.environ[_SHORT])
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -48,6 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if base is None:  # the controlling process: xdist's workers inherit its environment
         base = tempfile.mkdtemp(prefix="kvd-test-cache-")
         os.environ[_RUN_CACHE] = base
+        os.environ[_SHORT] = tempfile.mkdtemp(prefix="kvd-run-", dir="/tmp")
         os.environ[_MADE_BY] = str(os.getpid())
     own = Path(base) / os.environ.get("PYTEST_XDIST_WORKER", "main")
     own.mkdir(exist_ok=True)
@@ -87,6 +97,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if os.environ.get(_MADE_BY) == str(os.getpid()):
         shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)
+        shutil.rmtree(os.environ[_SHORT], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

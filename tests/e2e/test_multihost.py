@@ -17,7 +17,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import EMBEDDED_MODEL, embedded_tokenizer, load_model
 from kvd.oneshot.batch import BatchGenerator
 from kvd.sched.sampling_params import SamplingParams
+from tests.conftest import short_dir
 from tests.server.conftest import ALICE, DaemonProcess, digest
 
 MODEL = "gemma3-270m"
@@ -139,7 +139,7 @@ class Follower:
 
 
 def test_two_processes_serve_as_one(tmp_path: Path, daemon_env: dict[str, str]) -> None:
-    socket_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    socket_dir = short_dir()
     config = tmp_path / "kvd.toml"
     config.write_text(
         CONFIG.format(

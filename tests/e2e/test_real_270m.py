@@ -18,7 +18,6 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +36,7 @@ from kvd.engine.tokenizer import ChatMessage, StreamDecoder, Tokenizer  # noqa: 
 from kvd.kv.geometry import preset  # noqa: E402
 from kvd.kv.layout import build_layout  # noqa: E402
 from kvd.server.config import load_config  # noqa: E402
+from tests.conftest import short_dir  # noqa: E402
 from tests.server.conftest import ALICE, BOB, DaemonProcess, digest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def shipped_config(directory: Path) -> Path:
     text = (REPO / "etc" / "kvd.toml").read_text()
     # The demo keys are the shipped digests: no key needs swapping.
     assert digest(ALICE) in text and digest(BOB) in text
-    socket_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")  # short: a socket path
+    socket_dir = short_dir()  # short: a socket path
     swaps = {
         '"127.0.0.1:8000"': '"127.0.0.1:0"',
         '"127.0.0.1:9464"': '"127.0.0.1:0"',

@@ -16,7 +16,6 @@ import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.conftest import short_dir
 
 ALICE, BOB, CAROL = "kvd-dev-alice", "kvd-dev-bob", "kvd-test-carol"
 DaemonEnv = dict[str, str]
@@ -238,7 +239,7 @@ def serve_until_exit(
 def write_config(path: Path, **values: Any) -> Path:
     # Unix socket paths are limited to 107 bytes: keep them out of pytest's
     # long temporary paths.
-    socket_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    socket_dir = short_dir()
     settings = {
         "drain_timeout": 5.0,
         "max_model_len": 256,

@@ -5,7 +5,6 @@ replica's pool holds, a slow gateway never holds a step back, and a bad
 
 from __future__ import annotations
 
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from kvd.kv.events import GPU, EventEncoding, KVEventLog, PrivateBlocks, publish
 from kvd.kv.scope import PUBLIC_SCOPE
 from kvd.server.config import ConfigError, load_config
 from kvd.server.kvevents import END_OF_REPLAY, KVEventPublisher, KVEventsError
+from tests.conftest import short_dir
 from tests.kv.conftest import Subscriber
 from tests.server.conftest import ALICE, BOB, write_config
 from tests.server.harness import Served, serving, until
@@ -28,7 +28,7 @@ PROMPT = "Tell me about the history of bread, " * 6
 
 def events_config(tmp_path: Path, **section: Any) -> tuple[Path, str, str]:
     """The tiny config with ``[kv_events]`` on Unix-domain endpoints."""
-    sockets = tempfile.mkdtemp(prefix="kvd-ev-", dir="/tmp")
+    sockets = short_dir("kvd-ev-")
     pub, replay = f"ipc://{sockets}/pub", f"ipc://{sockets}/replay"
     values = {"enable": True, "endpoint": pub, "replay_endpoint": replay, "topic": "kvd"}
     values |= section

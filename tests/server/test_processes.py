@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import short_dir
 from tests.server.conftest import (
     ALICE,
     DaemonEnv,
@@ -170,7 +170,7 @@ def stuck_reader(daemon: DaemonProcess, prompt: str) -> socket.socket:
 @contextmanager
 def notify_socket() -> Iterator[tuple[str, list[tuple[float, str]]]]:
     """systemd's end of NOTIFY_SOCKET: (its path, the messages with their times)."""
-    path = f"{tempfile.mkdtemp(prefix='kvd-', dir='/tmp')}/notify"
+    path = f"{short_dir()}/notify"
     receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     receiver.bind(path)
     receiver.settimeout(0.2)
