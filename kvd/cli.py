@@ -291,8 +291,8 @@ def bench_kv(steps: int, running: str, model: str, block_size: int, as_json: boo
 @click.option("--batches", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--prompt-len", type=click.IntRange(min=2), default=128, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("--dtype", type=WEIGHT_DTYPES, default="float32")
-@click.option("--quantization", type=QUANTIZATIONS, default="auto")
+@click.option("--dtype", type=WEIGHT_DTYPES, help="[default: float32]")
+@click.option("--quantization", type=QUANTIZATIONS, help="[default: auto]")
 @click.option("--no-baseline", is_flag=True, help="Skip the transformers baseline.")
 @click.option(
     "--rounds",
@@ -304,37 +304,57 @@ def bench_kv(steps: int, running: str, model: str, block_size: int, as_json: boo
 @click.option(
     "--matmul",
     type=MATMULS,
-    default="xla",
-    show_default=True,
-    help="The matrix products: XLA's, or bf16 on oneDNN's AMX/AVX-512 kernels (model.matmul).",
+    help="The matrix products: XLA's, or bf16 on oneDNN's AMX/AVX-512 kernels "
+    "(model.matmul).  [default: xla]",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Measure the engine kvd serve builds from this config file (its rows, context, "
+    "pool, weights and products) instead of one sized for the workload.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_decode(
     batches: str,
     prompt_len: int,
     new_tokens: int,
-    dtype: str,
-    quantization: str,
+    dtype: str | None,
+    quantization: str | None,
     no_baseline: bool,
     rounds: int,
-    matmul: str,
+    matmul: str | None,
+    config_path: Path | None,
     as_json: bool,
 ) -> None:
     """Decode throughput and TTFT of the embedded model, with transformers as the baseline."""
-    from kvd.bench.decode import render, run_decode_bench
+    from kvd.bench.decode import ConfigUnfit, render, run_decode_bench
+    from kvd.server.config import ConfigError
 
     sizes = _positive_list(batches, "--batches")
-    report = run_decode_bench(
-        sizes,
-        prompt_len,
-        new_tokens,
-        dtype,
-        not no_baseline,
-        lambda t: click.echo(t, err=True),
-        quantization,
-        rounds,
-        matmul,
-    )
+    if config_path is not None:
+        given = [
+            f"--{n}"
+            for n, v in (("dtype", dtype), ("quantization", quantization), ("matmul", matmul))
+            if v is not None
+        ]
+        if given:
+            fail(f"{', '.join(given)}: the engine's settings come from --config {config_path}")
+    try:
+        report = run_decode_bench(
+            sizes,
+            prompt_len,
+            new_tokens,
+            dtype or "float32",
+            not no_baseline,
+            lambda t: click.echo(t, err=True),
+            quantization or "auto",
+            rounds,
+            matmul or "xla",
+            config_path,
+        )
+    except (ConfigError, ConfigUnfit) as exc:
+        fail(str(exc))
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 

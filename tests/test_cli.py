@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.server.conftest import write_config
+
 BIN = Path(sys.executable).parent
 
 
@@ -198,3 +200,32 @@ def test_capacity_over_several_devices() -> None:
               "--parameters", "1000000")  # fmt: skip
     assert bad.returncode != 0 and "give --hidden-size" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_bench_decode_measures_the_engine_a_config_serves(tmp_path: Path) -> None:
+    """--config: the engine ``kvd serve`` builds from the file (here the tiny
+    random model's), not one sized for the workload; what the file cannot
+    serve, and options the file settles, are one-line errors."""
+    config = write_config(tmp_path / "kvd.toml", max_num_seqs=4)
+    args = ["bench", "decode", "--config", str(config), "--prompt-len", "8", "--new-tokens", "4"]
+    out = run("kvd", *args, "--batches", "1,2", "--rounds", "1", "--no-baseline", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["config"] == str(config) and report["model"] == "random"
+    assert report["engine"].startswith("4 rows, max_model_len 256, ")
+    assert [(f["system"], f["batch"]) for f in report["kvd"]] == [
+        ("kvd", 1),
+        ("kvd serial", 1),
+        ("kvd", 2),
+        ("kvd serial", 2),
+    ]
+    assert all(f["decode_tokens_per_s"] > 0 for f in report["kvd"])
+    for extra, problem in [
+        (["--batches", "8"], "batch 8 exceeds"),
+        (["--new-tokens", "300"], "exceed"),
+        (["--matmul", "xla"], "--matmul: the engine's settings come from --config"),
+    ]:
+        bad = run("kvd", *args, *extra, "--no-baseline")
+        assert bad.returncode == 2, bad.stderr
+        assert bad.stderr.strip().splitlines()[-1].startswith("kvd: error: "), bad.stderr
+        assert problem in bad.stderr
