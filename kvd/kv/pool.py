@@ -93,8 +93,18 @@ class PagePool:
         """Reference ``count`` idle pages for ``account`` (free ones first)."""
         if count > self.num_idle():
             raise PoolExhausted(f"asked for {count} pages, {self.num_idle()} idle")
-        pages: list[int] = []
         free, lru = self.free, self.lru
+        ref, holders = self.ref, self.holders
+        if count <= len(free):  # nothing cached to evict: most takes
+            pages = free[len(free) - count :]
+            del free[len(free) - count :]
+            pages.reverse()  # as count pops would give them
+            for page in pages:
+                ref[page] = 1
+                holders[page] = {account: 1}
+            self.ledger.accounts[account].used += count
+            return pages
+        pages = []
         for _ in range(count):
             if free:
                 page = free.pop()
