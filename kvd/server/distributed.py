@@ -19,6 +19,7 @@ supervisor restarts every host. Docs: docs/howto/multi-host.md.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -169,6 +170,10 @@ def run_follower(config: Config, role: Role) -> int:
     seconds = engine.warm_up()
     progress("lifecycle.warm", {"seconds": round(seconds, 2), "programs": engine.compiled_shapes()})
     failure: list[BaseException] = []
+    # As the leader does at ready (Daemon.go_live): a full collection walking
+    # the engine's start-up objects would stall a step the leader waits on.
+    gc.collect()
+    gc.freeze()
     thread = threading.Thread(
         target=_follow, args=(engine, failure), name="kvd-follower", daemon=True
     )

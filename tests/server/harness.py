@@ -12,6 +12,7 @@ engine's fault points, so the fault matrix runs here as well.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import subprocess
 import sys
@@ -293,3 +294,4 @@ async def serving(
                 daemon._http_stopped.set()
                 nursery.cancel_scope.cancel()
                 daemon.close_kv_events()
+                gc.unfreeze()  # as Daemon.run does: go_live froze what start-up built
