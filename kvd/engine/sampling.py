@@ -233,12 +233,18 @@ def _for_rows_asking(asking: jax.Array, logits: jax.Array, compute: Any) -> Any:
     normaliser or a top-k over the vocabulary costs by the rows it reads, so
     the columns are gathered apart, P the smallest of ``ROW_BUCKETS`` (or the
     batch) that holds them (``rows`` padded with the batch size, out of
-    range); nothing is read when no row asks."""
+    range); the batch's width reads them in place; nothing is read when no
+    row asks."""
     seqs = logits.shape[1]
     buckets = [b for b in ROW_BUCKETS if b < seqs] + [seqs]
 
     def for_rows(width: int) -> Any:
         def run() -> Any:
+            if width == seqs:  # every column, read in place (not copied by a gather)
+                out = compute(logits, jnp.arange(seqs))
+                return jax.tree.map(
+                    lambda x: jnp.where(asking.reshape(-1, *([1] * (x.ndim - 1))), x, 0), out
+                )
             (rows,) = jnp.nonzero(asking, size=width, fill_value=seqs)
             out = compute(logits[:, jnp.minimum(rows, seqs - 1)], rows)
             return jax.tree.map(
@@ -412,7 +418,10 @@ def _draw(logits: jax.Array, maxima: jax.Array, params: SamplingBatch) -> jax.Ar
 
 
 CANDIDATE_BLOCKS = 8  # blocks per row whose exact mass the proposal holds
-MAX_PROPOSALS = 16  # proposals per row before its blocks' exact masses are all computed
+MAX_PROPOSALS = 16  # proposals per row before the exact pass
+LIKELY = 0.5  # a row proposes again only if at least this share of its proposal is exact
+RUNS = 16  # runs of consecutive blocks the exact pass first weighs, at most
+DIRECT_ROWS = 8  # up to this many rows, the exact pass weighs every block in one reduction
 
 
 def draw_by_blocks(
@@ -425,26 +434,29 @@ def draw_by_blocks(
     rows: jax.Array,
 ) -> jax.Array:
     """Tokens [S] drawn exactly from softmax(logits / temperature) (after
-    min_p) for the ``rows`` asked (others: 0), reading no more of the
-    vocabulary than ``block_maxima`` already did.
+    min_p) for the ``rows`` asked (others: 0).
 
-    Rejection sampling over blocks. A block's mass is at most its size times
-    the weight of its largest entry, a bound its maximum gives for free; the
-    ``CANDIDATE_BLOCKS`` blocks with the largest maxima, where a model's mass
-    lies, get their exact mass instead. A block is proposed in proportion to
-    that (bound or exact) mass; its exact mass is computed, the block kept
-    with probability exact / bound (always, for a candidate), and a token
-    drawn within it by its weight. So every token comes out with probability
-    exactly its weight over the total, and a draw costs a few blocks' worth
-    of exponentials instead of the whole vocabulary's (a Gumbel-max draw:
-    262,144 random numbers and exponentials a row). A row refused
-    ``MAX_PROPOSALS`` times ends with every block's exact mass (one pass of
-    exponentials over the vocabulary). That is common on a real model's
-    logits at temperature 1: their bulk holds most of the mass and a block's
-    maximum bounds it loosely (the 270M's, 2026-12-05: a proposal kept 7% of
-    the time, median over 54 rows; the candidates held 7% of the mass). Each
-    row's random numbers come from its seed, position and proposal's number
-    (``uniforms``): what it draws depends on its logits and those alone."""
+    First, rejection sampling over blocks, which reads no more of the
+    vocabulary than ``block_maxima`` already did. A block's mass is at most
+    its size times the weight of its largest entry, a bound its maximum
+    gives for free; the ``CANDIDATE_BLOCKS`` blocks with the largest maxima
+    get their exact mass instead. A block is proposed in proportion to that
+    (bound or exact) mass; its exact mass is computed, the block kept with
+    probability exact / bound (always, for a candidate), and a token drawn
+    within it by its weight. So every token comes out with probability
+    exactly its weight over the total, for a few blocks' worth of
+    exponentials. That serves a row whose candidates hold most of its
+    proposal, where a few tokens hold the mass.
+
+    A real model's logits at temperature 1 mostly do not: their bulk holds
+    the mass and a block's maximum bounds it loosely (the 270M's, 32 rows
+    of a README: a proposal kept 0.6% of the time from bounds alone). So a
+    row refused at its first proposal proposes again, up to
+    ``MAX_PROPOSALS``, only if its candidates hold at least ``LIKELY`` of its
+    proposal; any other ends in the exact pass (``exact_draw``), which
+    weighs every entry once. Each row's random numbers come from its
+    seed, position and proposal's number (``uniforms``): what it draws
+    depends on its logits and those alone."""
     vocab, seqs = logits.shape
     blocks = maxima.shape[0]
     size = vocab // blocks
@@ -453,10 +465,10 @@ def draw_by_blocks(
     # min_p drops what is less likely than its share of the best token.
     floor = jnp.where(min_p > 0, jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
 
+    scale = best, inverse, floor
+
     def weights(values: jax.Array) -> jax.Array:  # [S, ...] -> unnormalised probabilities
-        shape = (seqs,) + (1,) * (values.ndim - 1)
-        scaled = (values - best.reshape(shape)) * inverse.reshape(shape)
-        return jnp.where(scaled >= floor.reshape(shape), jnp.exp(scaled), 0.0)
+        return _weights(values, scale, 0, cut_after=True)
 
     bound = size * weights(maxima.T)  # [S, blocks]
     candidates = jax.lax.top_k(maxima.T, min(CANDIDATE_BLOCKS, blocks))[1]  # [S, K]
@@ -465,10 +477,9 @@ def draw_by_blocks(
     proposal = bound.at[row, candidates].set(exact)
     is_candidate = jnp.zeros((seqs, blocks), jnp.bool_).at[row, candidates].set(True)
     cumulative = running_sum(proposal)
+    likely = exact.sum(axis=1) >= LIKELY * cumulative[:, -1]
 
-    def propose(
-        number: jax.Array, proposal: jax.Array, cumulative: jax.Array, is_exact: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
+    def propose(number: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(token [S], accepted [S]) of one proposal per row."""
         draws = uniforms(seeds, positions, number, 3)  # [S, 3]
         at = jnp.arange(seqs)
@@ -477,42 +488,121 @@ def draw_by_blocks(
         weight = weights(_block_values(logits, block, size))  # [S, B]
         mass = weight.sum(axis=1)
         offered = proposal[at, block]
-        kept = is_exact[at, block] | (draws[:, 1] * offered < mass)
+        kept = is_candidate[at, block] | (draws[:, 1] * offered < mass)
         point = draws[:, 2] * mass
         entry = jnp.minimum(jnp.sum(running_sum(weight) <= point[:, None], axis=1), size - 1)
         # Rounding may land on a block or an entry of no weight: proposed again.
         kept &= (offered > 0) & (weight[at, entry] > 0)
         return block * size + entry, kept
 
-    tokens, done = propose(jnp.int32(0), proposal, cumulative, is_candidate)
+    tokens, done = propose(jnp.int32(0))
     done |= ~rows
 
     def unfinished(state: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
         number, _, done = state
-        return (number < MAX_PROPOSALS) & ~jnp.all(done)
+        return (number < MAX_PROPOSALS) & jnp.any(~done & likely)
 
     def more(
         state: tuple[jax.Array, jax.Array, jax.Array],
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         number, tokens, done = state
-        token, kept = propose(number, proposal, cumulative, is_candidate)
+        token, kept = propose(number)
+        kept &= likely  # the others go to the exact pass, whatever their batch does
         tokens = jnp.where(done | ~kept, tokens, token)
         return number + 1, tokens, done | kept
 
-    def exact_blocks(tokens: jax.Array, done: jax.Array) -> jax.Array:
-        """Every block's exact mass: one more proposal, always kept."""
-        shifted = (logits - best[None, :]) * inverse[None, :]
-        kept = jnp.where(shifted >= floor[None, :], jnp.exp(shifted), 0.0)
-        masses = kept.reshape(blocks, size, seqs).sum(axis=1).T  # [S, blocks]
-        exact = jnp.ones_like(is_candidate)
-        token, _ = propose(jnp.int32(MAX_PROPOSALS), masses, running_sum(masses), exact)
-        return jnp.where(done, tokens, token)
-
     def rejected() -> jax.Array:  # rows whose first proposal was refused
         _, drawn, ended = jax.lax.while_loop(unfinished, more, (jnp.int32(1), tokens, done))
-        return jax.lax.cond(jnp.all(ended), lambda: drawn, lambda: exact_blocks(drawn, ended))
+        return jax.lax.cond(
+            jnp.all(ended), lambda: drawn, lambda: jnp.where(ended, drawn, exact_pass())
+        )
+
+    def exact_pass() -> jax.Array:
+        draws = uniforms(seeds, positions, jnp.int32(MAX_PROPOSALS), 3)
+        return exact_draw(logits, scale, size, draws)
 
     return jax.lax.cond(jnp.all(done), lambda: tokens, rejected)
+
+
+def _weights(
+    values: jax.Array, scale: tuple[jax.Array, ...], rows_axis: int, cut_after: bool = False
+) -> jax.Array:
+    """Unnormalised probabilities of ``values`` (a row's along ``rows_axis``):
+    ``scale`` is (best logit, 1 / temperature, min_p's floor), one per row.
+
+    min_p's cut is made before the exponential by default: summed over
+    whole rows, XLA:CPU vectorises exp(select) and not select(exp) (the
+    270M's vocabulary at 32 rows: 3.0 ms against 12.3). Summed by blocks
+    (``cut_after``) it is the other way round (one row: 0.16 ms against 0.6)."""
+    best, inverse, floor = scale
+    shape = [1] * values.ndim
+    shape[rows_axis] = best.shape[0]
+    scaled = (values - best.reshape(shape)) * inverse.reshape(shape)
+    kept = scaled >= floor.reshape(shape)
+    if cut_after:
+        return jnp.where(kept, jnp.exp(scaled), 0.0)
+    return jnp.exp(jnp.where(kept, scaled, -jnp.inf))
+
+
+def exact_draw(
+    logits: jax.Array, scale: tuple[jax.Array, ...], size: int, draws: jax.Array
+) -> jax.Array:
+    """A token [S] per column of ``logits [V, S]``, drawn by its exact weight
+    (``scale``: as ``_weights`` takes it), with ``draws [S, 3]``: a run of
+    ``RUNS`` runs of blocks of ``size`` by the runs' masses, a block of the
+    run by theirs, an entry of the block by its weight. The runs and the
+    draws are the same whatever the number of columns, so a row draws the
+    same token whichever way its masses are summed.
+
+    Up to ``DIRECT_ROWS`` columns, every block's mass comes from one
+    reduction. For more, that reduction computes the exponentials one at a
+    time on XLA:CPU (32 rows of the 270M's 262,144 logits: 10.5 ms), so the
+    runs' masses come from a loop of reductions over whole runs, the one
+    form it vectorises (2.5 ms), and only the chosen run is summed by
+    blocks. (1 / 4 / 8 rows: 0.19 / 0.69 / 1.03 ms the first way, 1.03 /
+    1.46 / 1.67 ms the second.)"""
+    vocab, seqs = logits.shape
+    blocks = vocab // size
+    runs = RUNS
+    while blocks % runs:
+        runs //= 2
+    run = vocab // runs
+    if seqs <= DIRECT_ROWS:
+        weight = _weights(logits, scale, 1, cut_after=True).reshape(blocks, size, seqs)
+        by_run = weight.sum(axis=1).T.reshape(seqs, runs, blocks // runs)  # [S, runs, blocks]
+        chosen = _pick(by_run.sum(axis=2), draws[:, 0])
+        in_run = jnp.take_along_axis(by_run, chosen[:, None, None], axis=1)[:, 0]
+        block = chosen * (blocks // runs) + _pick(in_run, draws[:, 1])
+        inside = _weights(_block_values(logits, block, size), scale, 0)
+        return block * size + _pick(inside, draws[:, 2])
+
+    def run_mass(i: jax.Array, masses: jax.Array) -> jax.Array:
+        part = jax.lax.dynamic_slice_in_dim(logits, i * run, run, 0)  # [run, S]
+        return masses.at[i].set(_weights(part, scale, 1).sum(axis=0))
+
+    masses = jax.lax.fori_loop(0, runs, run_mass, jnp.zeros((runs, seqs), logits.dtype))
+    chosen = _pick(masses.T, draws[:, 0])  # [S]
+    inside_run = _weights(_block_values(logits, chosen, run), scale, 0)  # [S, run]
+    weight = inside_run.reshape(seqs, run // size, size)
+    block = _pick(weight.sum(axis=2), draws[:, 1])
+    inside = jnp.take_along_axis(weight, block[:, None, None], axis=1)[:, 0]  # [S, B]
+    return chosen * run + block * size + _pick(inside, draws[:, 2])
+
+
+def _pick(weights: jax.Array, draws: jax.Array) -> jax.Array:
+    """Per row of ``weights [S, N]`` (non-negative, some positive), the index
+    a uniform ``draws [S]`` falls on along their running sum: each index by
+    its weight. One of no weight is never picked (a rounding in the running
+    sum could otherwise land on it): the first weighted index past the
+    target, else the last weighted one."""
+    count = weights.shape[1]
+    cumulative = running_sum(weights)
+    target = draws * cumulative[:, -1]
+    weighted = weights > 0
+    past = _first_where(((cumulative > target[:, None]) & weighted).T, count)
+    ids = jnp.arange(count)[None, :]
+    last = jnp.max(jnp.where(weighted, ids, 0), axis=1)
+    return jnp.where(past < count, past, last)
 
 
 def _mix(x: jax.Array) -> jax.Array:

@@ -525,18 +525,49 @@ def test_temperature_draws_follow_the_softmax(kind: str, temperature: float, min
     assert statistic < bound, (statistic, bound)
 
 
-def test_draws_refused_too_often_end_on_exact_masses(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rows", [8, 512])
+def test_draws_refused_too_often_end_on_exact_masses(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With no second proposal allowed, rows whose first is refused take
-    their draw from every block's exact mass: the distribution stays the
-    softmax's."""
+    their draw from every entry's exact weight, summed by blocks in one
+    reduction (up to DIRECT_ROWS rows) or by runs in a loop: the
+    distribution stays the softmax's, with min_p's cut."""
     import kvd.engine.sampling as sampling
 
     monkeypatch.setattr(sampling, "MAX_PROPOSALS", 1)
     row = _draw_rows("flat")
     probs = np.exp(row.astype(np.float64) - row.max())
+    probs[probs < 0.05] = 0.0
     probs /= probs.sum()
-    statistic, bound = _chi_square_ok(_softmax_draws(row, 1.0, 0.0, calls=16), probs)
+    draws = _softmax_draws(row, 1.0, 0.05, calls=8192 // rows, rows=rows)
+    assert probs[draws].min() > 0
+    statistic, bound = _chi_square_ok(draws, probs)
     assert statistic < bound, (statistic, bound)
+
+
+def test_an_exact_draw_is_the_rows_own_whatever_the_batch_width() -> None:
+    """A row that ends in the exact pass draws the same token alone (its
+    blocks summed in one reduction) as in a batch wider than DIRECT_ROWS
+    (summed by runs in a loop)."""
+    from kvd.engine.sampling import DIRECT_ROWS
+
+    width = DIRECT_ROWS + 4
+    rows = [_draw_rows(("flat", "peaked", "spiky")[i % 3]) for i in range(width)]
+    logits = jnp.asarray(np.stack(rows, axis=1))
+    batch = sampling_batch(
+        width,
+        temperature=jnp.full(width, 1.0, jnp.float32),
+        seeds=jnp.arange(width, dtype=jnp.uint32) + 40,
+        positions=jnp.arange(width, dtype=jnp.int32),
+    )
+    together = np.asarray(_SAMPLE(logits, batch)[0])
+    for i in range(0, width, 3):  # the flat rows: the exact pass
+        alone_batch = SamplingBatch(
+            *(None if field is None else field[i : i + 1] for field in batch)
+        )
+        alone = np.asarray(jax.jit(sample)(logits[:, i : i + 1], alone_batch)[0])
+        assert int(alone[0]) == int(together[i]), i
 
 
 def test_a_rows_draw_is_its_own_whatever_the_batch() -> None:
