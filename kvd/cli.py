@@ -392,12 +392,21 @@ def bench_weights(
 @bench.command("sampling")
 @click.option("--batch", type=click.IntRange(min=2), default=32, show_default=True)
 @click.option("--vocabulary", type=click.IntRange(min=512), default=262144, show_default=True)
+@click.option(
+    "--model-logits",
+    is_flag=True,
+    help="Also time greedy and temperature on the embedded model's own next-token logits "
+    "along a text (loads the model).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_sampling(batch: int, vocabulary: int, as_json: bool) -> None:
+def bench_sampling(batch: int, vocabulary: int, model_logits: bool, as_json: bool) -> None:
     """Cost of one sampling call by path (greedy, temperature, top-k/top-p)."""
     from kvd.bench.sampling import render, run_sampling_bench
 
-    report = run_sampling_bench(batch, vocabulary)
+    try:
+        report = run_sampling_bench(batch, vocabulary, model_logits=model_logits)
+    except ValueError as exc:
+        fail(str(exc))
     click.echo(msgspec.json.encode(report).decode() if as_json else render(report))
 
 

@@ -148,6 +148,29 @@ def test_bench_sampling_prints_figures() -> None:
     assert temperature["ratio_to_temperature"] == 1.0
 
 
+def test_bench_sampling_on_the_models_own_logits() -> None:
+    """--model-logits: greedy and temperature on the embedded model's next-token
+    logits along a text, beside the made-up ones; a batch the text cannot
+    fill is a one-line error."""
+    out = run(
+        "kvd",
+        "bench",
+        "sampling",
+        "--batch",
+        "2",
+        "--vocabulary",
+        "1024",
+        "--model-logits",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    model = json.loads(out.stdout)["model"]
+    assert model["model"] == "gemma3-270m" and model["positions"] == 2
+    assert model["greedy_ms"] > 0 and model["temperature_ms"] > 0
+    bad = run("kvd", "bench", "sampling", "--batch", "5000", "--model-logits")
+    assert bad.returncode == 2 and bad.stderr.startswith("kvd: error: --model-logits"), bad.stderr
+
+
 def test_capacity_shows_what_int8_weights_buy_on_the_seeds_chip() -> None:
     out = run(
         "kvctl", "capacity", "--model", "gemma4-12b", "--weights", "int8",

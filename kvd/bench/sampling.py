@@ -8,7 +8,13 @@ a one-row case is timed alternately with the batch it is compared with (the
 same logits, no row asking), so a drift of the machine's speed between them
 does not show as a cost. Greedy is also timed in turn with a pass that only
 reads the same logits (``jnp.max``: the floor of any choice), and
-temperature alone with greedy."""
+temperature alone with greedy.
+
+Those logits are made up: normal noise with a few tokens far ahead, where
+the rejection sampler's candidates hold the mass. A real model's next-token
+logits mostly spread it over their bulk, and most temperature draws end in
+the exact pass; ``model_logits`` times the same three on the embedded
+model's own logits along a text (``--model-logits``)."""
 
 from __future__ import annotations
 
@@ -32,6 +38,16 @@ class SamplingCase(msgspec.Struct, frozen=True):
     ratio_to_compared: float | None = None
 
 
+class ModelLogitsFigures(msgspec.Struct, frozen=True):
+    model: str
+    positions: int  # the text's positions whose next-token logits are the batch
+    read_ms: float
+    greedy_ms: float
+    temperature_ms: float
+    greedy_to_read: float
+    temperature_to_greedy: float
+
+
 class SamplingReport(msgspec.Struct, frozen=True):
     batch: int
     vocabulary: int
@@ -41,15 +57,21 @@ class SamplingReport(msgspec.Struct, frozen=True):
     read_ms: float = 0.0
     greedy_to_read: float = 0.0
     temperature_to_greedy: float = 0.0
+    # The same three on the embedded model's logits (None: not asked).
+    model: ModelLogitsFigures | None = None
 
 
-def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 7) -> SamplingReport:
+def run_sampling_bench(
+    batch: int, vocabulary: int, repeats: int = 7, model_logits: bool = False
+) -> SamplingReport:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from kvd.engine.sampling import MAX_LOGIT_BIAS, SamplingBatch, sample, sampling_batch
 
+    # First: a batch the text cannot fill fails before the long part.
+    model = _model_figures(batch, repeats) if model_logits else None
     rng = np.random.default_rng(0)
     # Peaked: a few tokens hold the mass (a nucleus among the candidates).
     peaked = rng.normal(0, 1, (vocabulary, batch)).astype(np.float32)
@@ -176,6 +198,103 @@ def run_sampling_bench(batch: int, vocabulary: int, repeats: int = 7) -> Samplin
         read_ms=round(1000 * min(r for r, _, _ in triples), 2),
         greedy_to_read=round(statistics.median(g / r for r, g, _ in triples), 2),
         temperature_to_greedy=round(statistics.median(t / g for _, g, t in triples), 2),
+        model=model,
+    )
+
+
+# The text whose next-token logits ``_model_figures`` samples from: plain
+# prose, so that each position's distribution is a real one.
+TEXT = (
+    "The library on the corner of the market square opens at nine on weekdays and at ten "
+    "on Saturdays. Its ground floor holds newspapers, a small cafe and the children's "
+    "books; the reading rooms are upstairs, where the windows look over the river. Most "
+    "people come in the afternoon, after work or school, and the quietest hour is the "
+    "first one, when the staff sort the returns and the light comes in low across the "
+    "tables. Once a month the library holds a talk, usually about local history: the old "
+    "mill, the flood of the winter the bridge went down, the families who built the "
+    "houses along the water. Anyone may borrow up to ten books for three weeks, and the "
+    "card is free for everyone who lives or works in the town. Visitors can read "
+    "anything on the shelves, ask for help finding a book, or sit by the fire in the "
+    "reading room until closing time, which is seven in the evening. "
+)
+
+
+def model_logits(rows: int) -> tuple[str, Any]:
+    """(model name, next-token logits ``[V, rows]`` of the embedded model
+    at ``rows`` positions spread along ``TEXT``), from one prefill."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvd.engine.batching import bucket, build_step_batch, powers_of_two, sliding_ring
+    from kvd.engine.loader import EMBEDDED_MODEL, embedded_tokenizer, load_model
+    from kvd.engine.model import EngineSpec, forward
+    from kvd.kv import BudgetMode, KVManager, TenantBudget, build_layout
+
+    ids = embedded_tokenizer().encode(TEXT)
+    if rows > len(ids) - 1:
+        raise ValueError(
+            f"--model-logits: the text has {len(ids)} tokens, so at most a batch of {len(ids) - 1}"
+        )
+    loaded = load_model(EMBEDDED_MODEL, "float32", "none")
+    layout = build_layout(loaded.config.kv_geometry("float32"), 16)
+    pages = 2 * (len(ids) // 16 + 1) * layout.num_groups + 1
+    kv = KVManager(layout, pages, mode=BudgetMode.FREE)
+    kv.set_tenant("bench", TenantBudget())
+    ring = sliding_ring(layout, len(ids))
+    spec = EngineSpec.build(loaded.config, layout, ring)
+    seq = kv.add_sequence(1, "bench", ids)
+    kv.allocate(seq, len(ids))
+    tokens = bucket(len(ids), powers_of_two(16, 4096))
+    width = bucket(max(ring, seq.num_blocks), powers_of_two(4, 256))
+    step = build_step_batch([(seq, len(ids))], layout, tokens, tokens, width, ring)
+    step = step._replace(sample_index=jnp.arange(tokens, dtype=jnp.int32))
+    pool = jnp.zeros((pages, layout.page_bytes // 4), jnp.float32)
+    logits, _ = jax.jit(lambda p, pool, b: forward(spec, p, pool, b))(loaded.params, pool, step)
+    # Past the first few tokens, whose context is too short to be typical.
+    at = np.linspace(min(16, len(ids) - rows), len(ids) - 1, rows).astype(np.int32)
+    return EMBEDDED_MODEL, jnp.asarray(np.asarray(logits)[at].T)
+
+
+def _model_figures(batch: int, repeats: int) -> ModelLogitsFigures:
+    """Greedy, temperature alone and a read, timed in turn on the model's logits."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvd.engine.sampling import sample, sampling_batch
+
+    name, logits = model_logits(batch)
+    step = jax.jit(sample)
+    read = jax.jit(lambda x: jnp.max(x, axis=0))
+
+    def params(temperature: float, call: int) -> Any:
+        seeds = jnp.arange(call * batch, (call + 1) * batch, dtype=jnp.uint32)
+        return sampling_batch(
+            batch, temperature=jnp.full(batch, temperature, jnp.float32), seeds=seeds
+        )
+
+    greedy = params(0.0, 0)
+    for args in ((logits, greedy), (logits, params(1.0, 0))):
+        jax.block_until_ready(step(*args))
+    jax.block_until_ready(read(logits))
+    # Each call other seeds: other proposals, as a running batch draws.
+    triples = [
+        (
+            _call(read, (logits,)),
+            _call(step, (logits, greedy)),
+            _call(step, (logits, params(1.0, call))),
+        )
+        for call in range(4 * repeats)
+    ]
+    reads, greedies, draws = (statistics.median(v) for v in zip(*triples, strict=True))
+    return ModelLogitsFigures(
+        name,
+        batch,
+        round(1000 * reads, 3),
+        round(1000 * greedies, 3),
+        round(1000 * draws, 3),
+        round(statistics.median(g / r for r, g, _ in triples), 2),
+        round(statistics.median(t / g for _, g, t in triples), 2),
     )
 
 
@@ -209,6 +328,14 @@ def render(report: SamplingReport) -> str:
         f" greedy {report.greedy_to_read:.2f}x it, temperature alone"
         f" {report.temperature_to_greedy:.2f}x greedy",
     ]
+    if report.model is not None:
+        m = report.model
+        lines.append(
+            f"  {m.model}'s own logits ({m.positions} positions along a text): read"
+            f" {m.read_ms:.2f} ms, greedy {m.greedy_ms:.2f} ms ({m.greedy_to_read:.2f}x),"
+            f" temperature alone {m.temperature_ms:.2f} ms ({m.temperature_to_greedy:.2f}x"
+            " greedy)"
+        )
     for c in report.cases:
         line = (
             f"  {c.name:<{width}}  {c.ms:8.1f} ms  {c.ratio_to_temperature:5.2f}x temperature alone"
