@@ -57,7 +57,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if base is None:  # the controlling process: xdist's workers inherit its environment
         base = tempfile.mkdtemp(prefix="kvd-test-cache-")
         os.environ[_RUN_CACHE] = base
-        os.environ[_SHORT] = tempfile.mkdtemp(prefix="kvd-run-", dir="/tmp")
+        short = tempfile.mkdtemp(prefix="kvd-run-", dir="/tmp")
+        # Traversable by anyone, as /tmp is: a test that probes a socket as
+        # another user opens only the socket's own directory to it.
+        os.chmod(short, 0o755)
+        os.environ[_SHORT] = short
         os.environ[_MADE_BY] = str(os.getpid())
     own = Path(base) / os.environ.get("PYTEST_XDIST_WORKER", "main")
     own.mkdir(exist_ok=True)

@@ -235,6 +235,7 @@ async def serving(
     step_in_thread: bool = False,
     extra_server: str = "",
     loader: Loader | None = None,
+    freeze_at_ready: bool = False,
     **values: Any,
 ) -> AsyncIterator[Served]:
     """An in-process daemon, loaded and ready, for the ``async with`` body;
@@ -246,7 +247,9 @@ async def serving(
     ``extra_server`` is more of the config's [server] section; ``loader``
     replaces the simulated executor (``kvd.server.daemon.load_engine``: the
     real engine). The exit a deadline would take is recorded in
-    ``Served.exits``, not taken."""
+    ``Served.exits``, not taken. ``freeze_at_ready``: as the daemon does
+    (off by default here: each start's full collection would walk all a
+    test process holds)."""
     if config_path is None:
         config_path = write_config(tmp_path / "kvd.toml", **values)
         if extra_server:
@@ -262,6 +265,7 @@ async def serving(
         step_in_thread=step_in_thread,
         clock=time.monotonic if step_in_thread else trio.current_time,
         exit_process=exits.append,
+        freeze_at_ready=freeze_at_ready,
     )
     with structlog.testing.capture_logs() as logs:
         daemon.open_kv_events()
@@ -294,4 +298,5 @@ async def serving(
                 daemon._http_stopped.set()
                 nursery.cancel_scope.cancel()
                 daemon.close_kv_events()
-                gc.unfreeze()  # as Daemon.run does: go_live froze what start-up built
+                if freeze_at_ready:
+                    gc.unfreeze()  # as Daemon.run does: go_live froze what start-up built

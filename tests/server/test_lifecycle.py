@@ -238,8 +238,9 @@ async def test_what_start_up_built_is_frozen_out_of_full_collections(tmp_path: P
     """A full collection walks every tracked object; what start-up built is
     frozen before the daemon is ready (and ``lifecycle.ready`` counts it), so
     the passes that run mid-step walk only what serving made since."""
-    async with serving(tmp_path) as served:
+    async with serving(tmp_path, freeze_at_ready=True) as served:
         ready = served.named("lifecycle.ready")[0]
         assert ready["frozen_objects"] > 1000 and gc.get_freeze_count() > 1000
         # The runtime, built at start-up, is among the frozen.
         assert not any(obj is served.daemon.runtime for obj in gc.get_objects())
+    assert gc.get_freeze_count() == 0  # unfrozen on the way out, as Daemon.run does
