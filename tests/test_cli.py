@@ -231,10 +231,11 @@ def test_bench_decode_measures_the_engine_a_config_serves(tmp_path: Path) -> Non
     serve, and options the file settles, are one-line errors."""
     config = write_config(tmp_path / "kvd.toml", max_num_seqs=4)
     args = ["bench", "decode", "--config", str(config), "--prompt-len", "8", "--new-tokens", "4"]
-    out = run("kvd", *args, "--batches", "1,2", "--rounds", "1", "--no-baseline", "--json")
+    out = run("kvd", *args, "--batches", "1,2", "--rounds", "1", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["config"] == str(config) and report["model"] == "random"
+    assert report["transformers"] == [] and "not random" in report["transformers_note"]
     assert report["engine"].startswith("4 rows, max_model_len 256, ")
     assert [(f["system"], f["batch"]) for f in report["kvd"]] == [
         ("kvd", 1),

@@ -160,7 +160,9 @@ def run_decode_bench(
             ours.append(DecodeFigures(system, batch, ttft, rate, total, rates))
     theirs: list[DecodeFigures] = []
     note = None
-    if baseline:
+    if baseline and name != EMBEDDED_MODEL:
+        note = f"the transformers baseline runs the embedded model, not {name}: no baseline"
+    elif baseline:
         try:
             theirs = _transformers_baseline(
                 embedded_gguf_path(), batches, prompt_len, new_tokens, cfg.vocab_size, say
