@@ -95,17 +95,17 @@ class PagePool:
             raise PoolExhausted(f"asked for {count} pages, {self.num_idle()} idle")
         free, lru = self.free, self.lru
         ref, holders = self.ref, self.holders
-        if count <= len(free):  # nothing cached to evict: most takes
-            pages = free[len(free) - count :]
-            del free[len(free) - count :]
-            pages.reverse()  # as count pops would give them
-            for page in pages:
-                ref[page] = 1
-                holders[page] = {account: 1}
-            self.ledger.accounts[account].used += count
-            return pages
-        pages = []
-        for _ in range(count):
+        # The free pages there are, by one slice (as that many pops would give
+        # them); then one at a time: an eviction can free pages (a dropped
+        # ancestor's descendants), taken before the next cached one.
+        fresh = min(count, len(free))
+        pages = free[len(free) - fresh :]
+        del free[len(free) - fresh :]
+        pages.reverse()
+        for page in pages:
+            ref[page] = 1
+            holders[page] = {account: 1}
+        for _ in range(count - fresh):
             if free:
                 page = free.pop()
             else:
@@ -114,8 +114,8 @@ class PagePool:
                 if self.host is not None and key is not None and not self.spares.get(key):
                     self._offer_to_host(page, key)
                 self._forget(page)
-            self.ref[page] = 1
-            self.holders[page] = {account: 1}
+            ref[page] = 1
+            holders[page] = {account: 1}
             pages.append(page)
         self.ledger.accounts[account].used += count
         return pages
