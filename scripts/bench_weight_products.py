@@ -4,8 +4,10 @@ machine's backend): what ``kvd/engine/qdense.py`` chooses from.
 - 18 layer matrices (640 x 2048, the 270M's MLP shape, 94 MB in f32: more
   than the caches hold, as in the model), unrolled as the engine runs them:
   f32, the conversion where it is multiplied with nothing ordering it (XLA
-  then converts every layer at the start, into a scratch of them all), and
-  the form kvd uses, each conversion made to wait for its layer's input;
+  then converts every layer at the start, into a scratch of them all), the
+  form kvd uses, each conversion made to wait for its layer's input, and the
+  transposed twin's fused form that kvd uses for one token
+  (``qdense.OneRowTwin``);
 - the output projection (262,144 x 640): f32, fused, and dequantised a
   vocabulary chunk at a time (several chunk sizes).
 
@@ -90,7 +92,15 @@ def main() -> None:
         )
         for _ in range(LAYERS)
     ]
+    layers_twin = [  # [out, in], blocks along the rows: the one-token twins
+        (
+            put(rng.integers(-127, 128, (FFN, WIDTH)).astype(np.int8)),
+            put(rng.random((FFN, WIDTH // BLOCK)).astype(np.float32)),
+        )
+        for _ in range(LAYERS)
+    ]
     f32 = layer_stack(lambda x, w: x @ w)
+    twin = layer_stack(lambda x, w: x @ by_cols(*w).T)
     unordered = layer_stack(lambda x, w: x @ by_rows(*w))
     ordered = layer_stack(lambda x, w: x @ (by_rows(*w) * after(x)))
     print(f"{LAYERS} layers of {WIDTH}x{FFN}, unrolled (ms per pass)")
@@ -99,10 +109,11 @@ def main() -> None:
         print(
             f"  rows {n:4d}: f32 {best_ms(f32, x, layers_f32):8.2f}  "
             f"unordered {best_ms(unordered, x, layers_int8):8.2f}  "
-            f"kvd {best_ms(ordered, x, layers_int8):8.2f}",
+            f"kvd {best_ms(ordered, x, layers_int8):8.2f}  "
+            f"twin {best_ms(twin, x, layers_twin):8.2f}",
             flush=True,
         )
-    del layers_f32, layers_int8
+    del layers_f32, layers_int8, layers_twin
     embed = put(rng.standard_normal((VOCAB, WIDTH)).astype(np.float32))
     values = put(rng.integers(-127, 128, (VOCAB, WIDTH)).astype(np.int8))
     scale = put(rng.random((VOCAB, WIDTH // BLOCK)).astype(np.float32))

@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 
 from kvd import faults
-from kvd.engine import onednn
+from kvd.engine import onednn, qdense
 from kvd.engine.batching import (
     BIAS_WIDTH,
     SAMPLING_FLOATS,
@@ -333,6 +333,7 @@ class Engine:
         params = prepare_params(self.spec, model.params) if cfg.scan_layers else model.params
         pool_sharding = self._place(model, cfg, params, kv_dtype)
         self.matmul = self._choose_matmul(cfg)
+        self.one_row_twin_bytes = self._add_one_row_twins(cfg)
         self._choose_buckets(model, cfg)
         self._jit_programs(cfg, model, pool_sharding)
         self._start_counters(cfg)
@@ -433,6 +434,15 @@ class Engine:
             raise EngineError(f"matmul {cfg.matmul}: {exc}") from None
         weakref.finalize(self, onednn.REGISTRY.release, self._onednn_slots)
         return "onednn"
+
+    def _add_one_row_twins(self, cfg: EngineConfig) -> int:
+        """On XLA:CPU, int8 layer matrices gain a transposed twin for one-token
+        steps (``qdense.OneRowTwin``); returns the bytes added."""
+        one_device = self.mesh is None and jax.process_count() == 1
+        if not qdense.keeps_one_row_twins(jax.default_backend(), one_device, cfg.scan_layers):
+            return 0
+        self.params, added = qdense.with_one_row_twins(self.params)
+        return added
 
     def _choose_buckets(self, model: LoadedModel, cfg: EngineConfig) -> None:
         """The shapes programs compile for, and the device buffers sized by them."""

@@ -24,14 +24,14 @@ measures the whole model:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kvd.engine import onednn
 from kvd.engine.onednn import OnednnWeight
-from kvd.engine.wquant import QuantWeight, block_axis, block_size
+from kvd.engine.wquant import QuantWeight, block_axis, block_size, transposed
 
 # Rows up to which the output projection's conversion is fused into its product.
 FUSED_ROWS = 1
@@ -59,10 +59,75 @@ def dequantized(weight: QuantWeight, dtype: Any) -> jax.Array:
     return out.reshape(shape).astype(dtype)
 
 
+class OneRowTwin(NamedTuple):
+    """An int8 layer matrix as the model multiplies it (``weight``: a
+    ``QuantWeight`` ``[in, out]``, or its ``OnednnWeight``) and transposed
+    (``rows``, ``[out, in]``, its blocks along the rows), for products of
+    one token.
+
+    At one row XLA:CPU fuses the conversion of a matrix whose rows are the
+    contracting axis into the product: each output is a dot product over a
+    contiguous row of int8 values, read once, with no f32 scratch. In the
+    ``[in, out]`` layout it cannot. ``scripts/bench_weight_products.py`` (18
+    matrices of 640 x 2048, AMD EPYC, 2 cores): at one row 0.57 ms this way,
+    1.77 ms converted then multiplied, 26 ms fused in ``[in, out]``; from two
+    rows on the transposed fused form becomes a loop (27 ms), so larger
+    steps keep ``weight``. In the dev config's engine a lone stream's token
+    took 16.9 ms with the twins against 18.5 without (interleaved rounds,
+    context 464, the same tokens). The twins cost the layers' int8 bytes
+    again (123 MB for the 270M): the lone stream's step is the one no batch
+    hides the host behind."""
+
+    weight: Any
+    rows: QuantWeight
+
+
+def keeps_one_row_twins(backend: str, one_device: bool, scan_layers: bool) -> bool:
+    """Whether an engine adds twins: on XLA:CPU, to per-layer weights on one
+    device (stacked or split weights keep their one form)."""
+    return backend == "cpu" and one_device and not scan_layers
+
+
+def one_row_twin_bytes(params: dict[str, Any]) -> int:
+    """What ``with_one_row_twins`` will add to ``params`` (unplaced or placed)."""
+    return sum(
+        a.nbytes
+        for layer in params["layers"]
+        for name in onednn.LAYER_MATRICES
+        if isinstance(layer.get(name), QuantWeight)
+        for a in layer[name]
+        if a is not None
+    )
+
+
+def with_one_row_twins(params: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``params`` (per layer, not stacked, placed) with each int8 layer
+    matrix, bare or in its ``OnednnWeight``, made a ``OneRowTwin``; and the
+    bytes the twins added."""
+    added = 0
+    layers = []
+    for layer in params["layers"]:
+        layer = dict(layer)
+        for name in onednn.LAYER_MATRICES:
+            matrix = layer.get(name)
+            quant = matrix.weight if isinstance(matrix, OnednnWeight) else matrix
+            if not isinstance(quant, QuantWeight):
+                continue
+            rows = QuantWeight(*(None if a is None else jnp.asarray(a) for a in transposed(quant)))
+            added += sum(a.nbytes for a in rows if a is not None)
+            layer[name] = OneRowTwin(matrix, rows)
+        layers.append(layer)
+    return {**params, "layers": layers}, added
+
+
 def dense(x: jax.Array, weight: Any) -> jax.Array:
     """``x @ weight`` for ``x [T, in]`` and a weight ``[in, out]``."""
     if isinstance(weight, OnednnWeight):
         return dense_group(x, [weight])[0]
+    if isinstance(weight, OneRowTwin):
+        if x.shape[0] == 1:
+            return x @ dequantized(weight.rows, x.dtype).T
+        return dense(x, weight.weight)
     if not isinstance(weight, QuantWeight):
         return x @ weight
     return x @ (dequantized(weight, x.dtype) * after(x))
@@ -71,6 +136,10 @@ def dense(x: jax.Array, weight: Any) -> jax.Array:
 def dense_group(x: jax.Array, weights: list[Any]) -> list[jax.Array]:
     """``x @ w`` for each of ``weights``: with oneDNN's matrices, one call
     into the library for all of them."""
+    if any(isinstance(w, OneRowTwin) for w in weights):
+        if x.shape[0] == 1:
+            return [dense(x, w) for w in weights]
+        weights = [w.weight if isinstance(w, OneRowTwin) else w for w in weights]
     if all(isinstance(w, OnednnWeight) for w in weights):
         if x.shape[0] >= onednn.LAYER_MIN_ROWS:
             return onednn.dense_many(x, weights)

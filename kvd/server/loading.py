@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from kvd.engine import compile_cache, onednn
+from kvd.engine import compile_cache, onednn, qdense
 from kvd.engine.engine import Engine, EngineConfig
 from kvd.engine.loader import LoadedModel, load_model, random_model_with_tokenizer
 from kvd.kv.layout import build_layout
@@ -115,6 +115,8 @@ def _pool_tokens(config: Config, model: LoadedModel) -> tuple[int, int]:
         weight_bytes = model.weight_bytes
         if _onednn_copies(config):  # the engine's bf16 copies of the matrices
             weight_bytes += onednn.copy_bytes(model.params)
+        if _one_row_twins(config):  # and its one-token twins of the int8 ones
+            weight_bytes += qdense.one_row_twin_bytes(model.params)
         budget = _auto_pool_bytes(weight_bytes, config.pool.auto_fraction)
     else:
         budget = parse_size(config.pool.size)
@@ -134,6 +136,13 @@ def _onednn_copies(config: Config) -> bool:
         return False
     single = config.model.tensor_parallel == 1 and config.distributed is None
     return onednn.unavailable_reason(jax.default_backend(), single) is None
+
+
+def _one_row_twins(config: Config) -> bool:
+    """Whether the engine will keep one-token twins of int8 matrices (as
+    ``Engine`` decides)."""
+    single = config.model.tensor_parallel == 1 and config.distributed is None
+    return qdense.keeps_one_row_twins(jax.default_backend(), single, scan_layers=False)
 
 
 def build_engine(
@@ -184,6 +193,7 @@ def build_engine(
             "weight_bytes": model.weight_bytes,
             "quantization": model.quantization,
             "matmul": engine.matmul,
+            "one_row_twin_bytes": engine.one_row_twin_bytes,
             "quantization_error": round(model.quantization_error, 6),
             **engine.bytes_here(),
         },

@@ -171,6 +171,48 @@ def test_products_equal_the_dequantised_f32_products(rows: int, monkeypatch: Any
     np.testing.assert_array_equal(bits(rows_out), bits(dequantize(embed)[np.asarray(tokens)]))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_one_token_product_reads_the_transposed_twin_and_larger_ones_the_matrix(
+    rows: int,
+) -> None:
+    """A ``OneRowTwin`` of a Q4_K matrix (scales and mins) and one of a Q6_K
+    matrix (scales alone): one token multiplies by ``rows``, more tokens by
+    ``weight``, alone and in a group. Each twin here pairs a matrix with the
+    transpose of a different one, so the product shows which was read."""
+    rng = np.random.default_rng(rows)
+    with_mins, scales_only = (
+        wquant.transposed(wquant.from_gguf(random_blocks(kind, 64, 256, seed), kind, (64, 256)))
+        for kind, seed in ((wquant.Q4_K, 1), (wquant.Q6_K, 2))
+    )
+    twins, expected = [], []
+    for matrix, other in ((with_mins, scales_only), (scales_only, with_mins)):
+        twin = qdense.OneRowTwin(matrix, wquant.transposed(other))
+        twins.append(jax.device_put(twin))
+        expected.append(dequantize(other if rows == 1 else matrix))
+    x = rng.standard_normal((rows, 256)).astype(np.float32)
+    assert_product_close(jax.jit(qdense.dense)(jnp.asarray(x), twins[0]), x, expected[0])
+    grouped = jax.jit(qdense.dense_group)(jnp.asarray(x), twins)
+    for product, matrix in zip(grouped, expected, strict=True):
+        assert_product_close(product, x, matrix)
+
+
+def test_on_the_cpu_each_int8_layer_matrix_gains_its_twin_and_the_bytes_are_counted() -> None:
+    model = random_model(512, sliding_window=16, seed=3, quantization="int8")
+    engine = _engine(model)
+    layer = engine.params["layers"][0]
+    for name in ("q", "k", "v", "o", "gate", "up", "down"):
+        twin = layer[name]
+        assert isinstance(twin, qdense.OneRowTwin)
+        assert twin.rows.values.shape == twin.weight.values.shape[::-1]
+    matrices = [m for layer in model.params["layers"] for m in layer.values()]
+    quantised = [m for m in matrices if isinstance(m, QuantWeight)]
+    twins = sum(a.nbytes for m in quantised for a in m if a is not None)
+    assert engine.one_row_twin_bytes == twins > 0
+    assert engine.bytes_here()["weight_bytes_per_host"] == model.weight_bytes + twins
+    f32 = _engine(random_model(512, sliding_window=16, seed=3))  # float weights: no twins
+    assert f32.one_row_twin_bytes == 0
+
+
 @pytest.mark.parametrize("accelerator", [False, True])
 def test_past_one_row_the_head_is_chunked_on_the_cpu_and_one_product_elsewhere(
     accelerator: bool, monkeypatch: Any
