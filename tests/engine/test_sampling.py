@@ -17,6 +17,7 @@ from kvd.engine.sampling import (
     BEYOND_ROWS,
     CANDIDATE_BLOCKS,
     CANDIDATES,
+    DIRECT_ROWS,
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     MAX_TOP_LOGPROBS,
@@ -525,7 +526,7 @@ def test_temperature_draws_follow_the_softmax(kind: str, temperature: float, min
     assert statistic < bound, (statistic, bound)
 
 
-@pytest.mark.parametrize("rows", [8, 512])
+@pytest.mark.parametrize("rows", [DIRECT_ROWS, 512])
 def test_draws_refused_too_often_end_on_exact_masses(
     rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -550,8 +551,6 @@ def test_an_exact_draw_is_the_rows_own_whatever_the_batch_width() -> None:
     """A row that ends in the exact pass draws the same token alone (its
     blocks summed in one reduction) as in a batch wider than DIRECT_ROWS
     (summed by runs in a loop)."""
-    from kvd.engine.sampling import DIRECT_ROWS
-
     width = DIRECT_ROWS + 4
     rows = [_draw_rows(("flat", "peaked", "spiky")[i % 3]) for i in range(width)]
     logits = jnp.asarray(np.stack(rows, axis=1))
