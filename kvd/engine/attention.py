@@ -85,6 +85,8 @@ def attend(
         return paged_attention(q, view, place, *args, **kwargs)
     from kvd_kernels.ragged_paged_attention import ragged_paged_attention
 
+    if view.dtype == jnp.uint16:  # a bf16 pool's patterns (kvquant.storage_dtype)
+        view = jax.lax.bitcast_convert_type(view, jnp.bfloat16)
     return ragged_paged_attention(
         q,
         view,

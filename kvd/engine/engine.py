@@ -48,6 +48,7 @@ from kvd.engine.batching import (
     unpack,
 )
 from kvd.engine.config import MATMUL_CHOICES, EngineDefaults
+from kvd.engine.kvquant import storage_dtype
 from kvd.engine.loader import LoadedModel
 from kvd.engine.lockstep import GATHER, SCATTER, STEP, STOP, Lockstep
 from kvd.engine.model import (
@@ -368,10 +369,11 @@ class Engine:
         """Weights, then the pool, on the device (or split over the mesh);
         returns the pool's sharding (None on one device)."""
         pages = self.num_pages
-        elements = self.layout.page_bytes // jnp.dtype(kv_dtype).itemsize
+        stored = storage_dtype(kv_dtype, jax.default_backend())
+        elements = self.layout.page_bytes // stored.itemsize
 
         def zero_pool() -> jax.Array:
-            return jnp.zeros((pages, elements), jnp.dtype(kv_dtype))
+            return jnp.zeros((pages, elements), stored)
 
         self.mesh = None
         self._replicated = None
@@ -399,7 +401,7 @@ class Engine:
             # Made where it lives: no host copy of the pool, and under several
             # processes each makes only its own devices' shards.
             self.pool = jax.jit(
-                lambda: jnp.zeros(pool_shape, jnp.dtype(kv_dtype)), out_shardings=pool_sharding
+                lambda: jnp.zeros(pool_shape, stored), out_shardings=pool_sharding
             )()
             return pool_sharding
         if cfg.scan_layers:

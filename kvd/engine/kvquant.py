@@ -48,6 +48,18 @@ LEVELS = 127.0
 MAX_SCALE = float(jnp.finfo(jnp.float32).max) / (2 * LEVELS)
 
 
+def storage_dtype(kv_dtype: str, backend: str) -> np.dtype[Any]:
+    """The element type a pool of ``kv_dtype`` is kept in. XLA:CPU has no
+    bf16 scatter or gather: it rewrote each layer's write and reads into f32
+    ones between conversions of the whole pool (a gigabyte pool made a lone
+    token's step take seconds). There a bf16 pool is kept as its 16-bit
+    patterns (uint16), which it moves as they are; ``to_pool`` and
+    ``from_pool`` convert the rows they touch."""
+    if kv_dtype == "bfloat16" and backend == "cpu":
+        return np.dtype(np.uint16)
+    return np.dtype(jnp.dtype(kv_dtype))
+
+
 def is_quantised(dtype: Any) -> bool:
     return bool(jnp.dtype(dtype) == jnp.int8)
 
@@ -81,6 +93,9 @@ def dequantise(raw: jax.Array, head_dim: int) -> jax.Array:
 
 def to_pool(x: jax.Array, pool_dtype: object, width: int) -> jax.Array:
     """K or V rows ``[..., H]`` as a pool of ``pool_dtype`` with rows of ``width`` stores them."""
+    # A pool of uint16 holds bf16 patterns (storage_dtype).
+    if jnp.dtype(pool_dtype) == jnp.uint16:  # type: ignore[call-overload]
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     if not is_quantised(pool_dtype):
         return x.astype(pool_dtype)  # type: ignore[arg-type]
     head_dim = x.shape[-1]
@@ -90,6 +105,8 @@ def to_pool(x: jax.Array, pool_dtype: object, width: int) -> jax.Array:
 
 def from_pool(raw: jax.Array, head_dim: int, dtype: object) -> jax.Array:
     """Pool rows as ``dtype`` values of ``head_dim`` (dequantised if int8)."""
+    if raw.dtype == jnp.uint16:  # bf16 patterns (storage_dtype)
+        return jax.lax.bitcast_convert_type(raw, jnp.bfloat16).astype(dtype)  # type: ignore[arg-type]
     if is_quantised(raw.dtype):
         return dequantise(raw, head_dim).astype(dtype)  # type: ignore[arg-type]
     return raw.astype(dtype)  # type: ignore[arg-type]

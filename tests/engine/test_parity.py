@@ -12,7 +12,7 @@ import pytest
 
 from kvd.engine import model
 from kvd.engine.batching import bucket, build_step_batch, powers_of_two, sliding_ring
-from kvd.engine.kvquant import dequantise, quantise
+from kvd.engine.kvquant import dequantise, quantise, storage_dtype
 from kvd.engine.model import EngineSpec, forward
 from kvd.kv import BudgetMode, KVManager, TenantBudget, build_layout
 from tests.engine.conftest import TinyModel, hf_logits
@@ -24,7 +24,9 @@ TOL = 1e-4
 class Harness:
     """The real KV manager and forward pass, asking for every token's logits."""
 
-    def __init__(self, model: TinyModel, pages: int = 256, kv_dtype: str = "float32") -> None:
+    def __init__(
+        self, model: TinyModel, pages: int = 256, kv_dtype: str = "float32", storage: Any = None
+    ) -> None:
         self.layout = build_layout(model.config.kv_geometry(kv_dtype), BLOCK)
         self.kv = KVManager(self.layout, pages, mode=BudgetMode.FREE)
         self.kv.set_tenant("t", TenantBudget())
@@ -32,7 +34,7 @@ class Harness:
         self.ring = sliding_ring(self.layout, 64)
         spec = EngineSpec.build(model.config, self.layout, self.ring)
         self.params = jax.device_put(model.params)
-        dtype = jnp.dtype(kv_dtype)
+        dtype = jnp.dtype(storage or kv_dtype)  # storage: kvquant.storage_dtype's choice
         self.pool = jnp.zeros((pages, self.layout.page_bytes // dtype.itemsize), dtype)
         self._forward = jax.jit(lambda p, pool, b: forward(spec, p, pool, b))
 
@@ -133,12 +135,12 @@ def test_prefix_cache_hit_gives_the_same_logits(tiny: TinyModel) -> None:
 TOL_INT8 = 1e-4
 
 
-def _int8_run(tiny: TinyModel, kv_dtype: str) -> list[np.ndarray]:
+def _int8_run(tiny: TinyModel, kv_dtype: str, storage: Any = None) -> list[np.ndarray]:
     """Logits of a prefill then ragged decodes past the window."""
     model._traced_block.clear_cache()  # its traces are keyed by spec, not by to_pool
     prompts = [_tokens(n, 30 + n) for n in (13, 2)]
     full = [p + _tokens(12, 40 + i) for i, p in enumerate(prompts)]
-    h = Harness(tiny, kv_dtype=kv_dtype)
+    h = Harness(tiny, kv_dtype=kv_dtype, storage=storage)
     seqs = [h.kv.add_sequence(i, "t", f) for i, f in enumerate(full)]
     for seq, p in zip(seqs, prompts, strict=True):
         h.kv.allocate(seq, len(p))
@@ -151,6 +153,20 @@ def _int8_run(tiny: TinyModel, kv_dtype: str) -> list[np.ndarray]:
         assert h.pool.dtype == jnp.int8
     h.kv.check_invariants()
     return logits
+
+
+def test_a_bf16_pool_kept_as_its_bit_patterns_gives_a_bf16_pools_logits(tiny: TinyModel) -> None:
+    """On XLA:CPU a bf16 pool is kept as uint16 patterns
+    (``kvquant.storage_dtype``): written and read through them, the logits
+    are those of a pool of bf16 values, and bf16 rounded the K/V."""
+    assert storage_dtype("bfloat16", "cpu") == np.uint16
+    assert storage_dtype("bfloat16", "tpu") == jnp.bfloat16
+    as_patterns = _int8_run(tiny, "bfloat16", storage=np.uint16)
+    as_values = _int8_run(tiny, "bfloat16", storage=jnp.bfloat16)
+    exact = _int8_run(tiny, "float32")
+    for got, want in zip(as_patterns, as_values, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(as_patterns, exact, strict=True)) > 1e-6
 
 
 def test_int8_kv_matches_a_dequantised_reference(

@@ -12,6 +12,8 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import pytest  # noqa: E402
+
 from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
 from kvd.engine.loader import LoadedModel, random_model  # noqa: E402
 from kvd.oneshot.batch import BatchGenerator  # noqa: E402
@@ -22,16 +24,25 @@ def _model() -> LoadedModel:
     return random_model(vocab_size=96, sliding_window=12, seed=3)
 
 
-def _engine(model: LoadedModel, pool_tokens: int) -> Engine:
+def _engine(model: LoadedModel, pool_tokens: int, kv_dtype: str | None = None) -> Engine:
     config = EngineConfig(
-        max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16, pool_tokens=pool_tokens
+        max_model_len=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        pool_tokens=pool_tokens,
+        kv_dtype=kv_dtype,
     )
     return Engine(model, config)
 
 
-def test_decode_body_aliases_the_pool_and_its_scratch_does_not_follow_the_pool() -> None:
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_decode_body_aliases_the_pool_and_its_scratch_does_not_follow_the_pool(
+    kv_dtype: str,
+) -> None:
+    """For every pool type: a bf16 pool on XLA:CPU was converted whole to f32
+    around each layer's write and read (kvquant.storage_dtype)."""
     model = _model()
-    small, large = _engine(model, 256), _engine(model, 16 * 256)
+    small, large = _engine(model, 256, kv_dtype), _engine(model, 16 * 256, kv_dtype)
     assert small.token_buckets[:2] == (1, 2)
     for tokens in (1, 2):  # a lone decode, and a pair (a one-row write is the risky one)
         stats = []
