@@ -26,6 +26,7 @@ import structlog
 
 from kvd import faults
 from kvd.engine import onednn, qdense
+from kvd.engine.attention import KEY_CHUNK
 from kvd.engine.batching import (
     BIAS_WIDTH,
     SAMPLING_FLOATS,
@@ -798,14 +799,24 @@ class Engine:
         return time.perf_counter() - start
 
     def _first_runs(self, shapes: list[tuple[int, int]]) -> None:
-        """Run every decoder program once on a batch of padding alone (it writes
-        only into the null page): a program's first run pays for its buffers'
-        first page faults and its threads' start, which the first requests
-        would otherwise pay (a 128-token prefill took 0.36 s, then 0.25 s)."""
+        """Run every decoder program once: a program's first run pays for its
+        buffers' first page faults, its threads' start and XLA:CPU's
+        first-use set-up of its fused kernels, which the first requests would
+        otherwise pay (a 128-token prefill took 0.36 s, then 0.25 s). The
+        batch is live tokens whose every block is the null page (all-zero
+        tables), so they write only there; a run of tokens and a lone one at
+        positions a few key chunks in, so that both of attention's loops run:
+        a loop that never iterates leaves its body's kernels cold (the first
+        prefix-cache hit's 64-token step took 0.19 s, the next 0.13)."""
         groups, seqs = self.layout.num_groups, self.config.max_num_seqs
+        late = min(self.config.max_model_len - 1, 4 * KEY_CHUNK)
         for tokens, width in shapes:
             tables = np.zeros((groups, seqs, width), np.int32)
-            batch = assemble_step_batch([], [], [], tables, self.layout.block_size, tokens)
+            lengths = [tokens] if tokens == 1 or seqs == 1 else [tokens - 1, 1]
+            starts = [max(0, late - n) for n in lengths]
+            batch = assemble_step_batch(
+                np.zeros(tokens, np.int32), starts, lengths, tables, self.layout.block_size, tokens
+            )
             flat = pack([*batch, np.full(tokens, -1, np.int32)])
             hidden, self._every_hidden, self.pool = self._body_program(tokens, width)(
                 self.params, self.pool, self._put(flat), self._every_hidden, self._previous

@@ -12,6 +12,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -71,3 +72,19 @@ def test_the_head_multiplies_rows_the_decoder_step_already_normed() -> None:
     head = engine._head_program(1).as_text()
     assert "rsqrt" in body
     assert "rsqrt" not in head
+
+
+def test_warm_up_runs_live_tokens_that_write_only_the_null_page() -> None:
+    """The first runs at warm-up attend over live tokens (so attention's loops
+    run, and their kernels are set up before the first request), all of whose
+    blocks are the null page: nothing else in the pool is written."""
+    engine = _engine(_model(), 1024)
+    engine.warm_up()
+    pool = np.asarray(engine.pool)
+    assert not np.any(pool[1:]), "warm-up wrote outside the null page"
+    # Padding writes one slot of the null page; live tokens, at their
+    # positions, write every slot of it.
+    block = engine.layout.block_size
+    slots = pool[0].reshape(-1, 2, block, pool.shape[1] // (2 * block))  # [places, K/V, slot, row]
+    written = np.any(slots != 0, axis=(0, 1, 3))
+    assert written.all(), f"slots written: {np.flatnonzero(written).tolist()}"
