@@ -261,6 +261,23 @@ def _release_free_heap() -> None:
         pass
 
 
+def _warm_runs(tokens: int, seqs: int, reach: int) -> tuple[list[int], list[int]]:
+    """(lengths, first positions) of the sequences of a warm-up step of
+    ``tokens``: runs of tokens, each ending a few key chunks in, then a
+    lone token, within ``seqs`` rows and ``reach`` positions each (what the
+    table and ``max_model_len`` allow); what does not fit is padding."""
+    last = min(reach, 4 * KEY_CHUNK) - 1
+    if tokens == 1 or seqs == 1:
+        lengths = [min(tokens, reach)]
+    else:
+        lengths, left = [], tokens - 1
+        while left > 0 and len(lengths) < seqs - 1:
+            lengths.append(min(left, reach))
+            left -= lengths[-1]
+        lengths.append(1)
+    return lengths, [max(0, last + 1 - n) for n in lengths]
+
+
 def _place_in_place(tree: Any) -> Any:
     """Put every array of a nest of dicts and lists on the device, replacing
     it where it was (so no one keeps the host copy alive); returns the nest."""
@@ -809,13 +826,13 @@ class Engine:
         a loop that never iterates leaves its body's kernels cold (the first
         prefix-cache hit's 64-token step took 0.19 s, the next 0.13)."""
         groups, seqs = self.layout.num_groups, self.config.max_num_seqs
-        late = min(self.config.max_model_len - 1, 4 * KEY_CHUNK)
+        block = self.layout.block_size
         for tokens, width in shapes:
             tables = np.zeros((groups, seqs, width), np.int32)
-            lengths = [tokens] if tokens == 1 or seqs == 1 else [tokens - 1, 1]
-            starts = [max(0, late - n) for n in lengths]
+            reach = min(width * block, self.config.max_model_len)
+            lengths, starts = _warm_runs(tokens, seqs, reach)
             batch = assemble_step_batch(
-                np.zeros(tokens, np.int32), starts, lengths, tables, self.layout.block_size, tokens
+                np.zeros(sum(lengths), np.int32), starts, lengths, tables, block, tokens
             )
             flat = pack([*batch, np.full(tokens, -1, np.int32)])
             hidden, self._every_hidden, self.pool = self._body_program(tokens, width)(
