@@ -461,7 +461,8 @@ class Engine:
         one_device = self.mesh is None and jax.process_count() == 1
         if not qdense.keeps_one_row_twins(jax.default_backend(), one_device, cfg.scan_layers):
             return 0
-        self.params, added = qdense.with_one_row_twins(self.params)
+        added = qdense.one_row_twin_bytes(self.model.params)  # a twin's bytes are its matrix's
+        self.params = qdense.with_one_row_twins(self.params)
         return added
 
     def _choose_buckets(self, model: LoadedModel, cfg: EngineConfig) -> None:

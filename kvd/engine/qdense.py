@@ -100,11 +100,9 @@ def one_row_twin_bytes(params: dict[str, Any]) -> int:
     )
 
 
-def with_one_row_twins(params: dict[str, Any]) -> tuple[dict[str, Any], int]:
+def with_one_row_twins(params: dict[str, Any]) -> dict[str, Any]:
     """``params`` (per layer, not stacked, placed) with each int8 layer
-    matrix, bare or in its ``OnednnWeight``, made a ``OneRowTwin``; and the
-    bytes the twins added."""
-    added = 0
+    matrix, bare or in its ``OnednnWeight``, made a ``OneRowTwin``."""
     layers = []
     for layer in params["layers"]:
         layer = dict(layer)
@@ -114,10 +112,9 @@ def with_one_row_twins(params: dict[str, Any]) -> tuple[dict[str, Any], int]:
             if not isinstance(quant, QuantWeight):
                 continue
             rows = QuantWeight(*(None if a is None else jnp.asarray(a) for a in transposed(quant)))
-            added += sum(a.nbytes for a in rows if a is not None)
             layer[name] = OneRowTwin(matrix, rows)
         layers.append(layer)
-    return {**params, "layers": layers}, added
+    return {**params, "layers": layers}
 
 
 def dense(x: jax.Array, weight: Any) -> jax.Array:
