@@ -149,9 +149,9 @@ def test_bench_sampling_prints_figures() -> None:
 
 
 def test_bench_sampling_on_the_models_own_logits() -> None:
-    """--model-logits: greedy and temperature on the embedded model's next-token
-    logits along a text, beside the made-up ones; a batch the text cannot
-    fill is a one-line error."""
+    """--model-logits: greedy, temperature and softmax's normaliser on the
+    embedded model's next-token logits along a text, beside the made-up ones;
+    a batch the text cannot fill is a one-line error."""
     out = run(
         "kvd",
         "bench",
@@ -166,7 +166,8 @@ def test_bench_sampling_on_the_models_own_logits() -> None:
     assert out.returncode == 0, out.stderr
     model = json.loads(out.stdout)["model"]
     assert model["model"] == "gemma3-270m" and model["positions"] == 2
-    assert model["greedy_ms"] > 0 and model["temperature_ms"] > 0
+    assert model["greedy_ms"] > 0 and model["temperature_ms"] > 0 and model["weigh_ms"] > 0
+    assert model["temperature_to_weigh"] > 0
     bad = run("kvd", "bench", "sampling", "--batch", "5000", "--model-logits")
     assert bad.returncode == 2 and bad.stderr.startswith("kvd: error: --model-logits"), bad.stderr
 

@@ -46,6 +46,11 @@ class ModelLogitsFigures(msgspec.Struct, frozen=True):
     temperature_ms: float
     greedy_to_read: float
     temperature_to_greedy: float
+    # Softmax's normaliser over the same logits (their maximum, then the sum
+    # of every entry's exponential): what a draw must compute when no block
+    # of the vocabulary can be bounded away, as on these logits.
+    weigh_ms: float = 0.0
+    temperature_to_weigh: float = 0.0
 
 
 class SamplingReport(msgspec.Struct, frozen=True):
@@ -257,7 +262,8 @@ def model_logits(rows: int) -> tuple[str, Any]:
 
 
 def _model_figures(batch: int, repeats: int) -> ModelLogitsFigures:
-    """Greedy, temperature alone and a read, timed in turn on the model's logits."""
+    """Greedy, temperature alone, a read and softmax's normaliser, timed in
+    turn on the model's logits."""
     import jax
     import jax.numpy as jnp
 
@@ -266,6 +272,7 @@ def _model_figures(batch: int, repeats: int) -> ModelLogitsFigures:
     name, logits = model_logits(batch)
     step = jax.jit(sample)
     read = jax.jit(lambda x: jnp.max(x, axis=0))
+    weigh = jax.jit(lambda x: jnp.sum(jnp.exp(x - jnp.max(x, axis=0)), axis=0))
 
     def params(temperature: float, call: int) -> Any:
         seeds = jnp.arange(call * batch, (call + 1) * batch, dtype=jnp.uint32)
@@ -277,24 +284,28 @@ def _model_figures(batch: int, repeats: int) -> ModelLogitsFigures:
     for args in ((logits, greedy), (logits, params(1.0, 0))):
         jax.block_until_ready(step(*args))
     jax.block_until_ready(read(logits))
+    jax.block_until_ready(weigh(logits))
     # Each call other seeds: other proposals, as a running batch draws.
-    triples = [
+    rounds = [
         (
             _call(read, (logits,)),
             _call(step, (logits, greedy)),
             _call(step, (logits, params(1.0, call))),
+            _call(weigh, (logits,)),
         )
         for call in range(4 * repeats)
     ]
-    reads, greedies, draws = (statistics.median(v) for v in zip(*triples, strict=True))
+    reads, greedies, draws, weighs = (statistics.median(v) for v in zip(*rounds, strict=True))
     return ModelLogitsFigures(
         name,
         batch,
         round(1000 * reads, 3),
         round(1000 * greedies, 3),
         round(1000 * draws, 3),
-        round(statistics.median(g / r for r, g, _ in triples), 2),
-        round(statistics.median(t / g for _, g, t in triples), 2),
+        round(statistics.median(g / r for r, g, _, _ in rounds), 2),
+        round(statistics.median(t / g for _, g, t, _ in rounds), 2),
+        round(1000 * weighs, 3),
+        round(statistics.median(t / w for _, _, t, w in rounds), 2),
     )
 
 
@@ -334,7 +345,8 @@ def render(report: SamplingReport) -> str:
             f"  {m.model}'s own logits ({m.positions} positions along a text): read"
             f" {m.read_ms:.2f} ms, greedy {m.greedy_ms:.2f} ms ({m.greedy_to_read:.2f}x),"
             f" temperature alone {m.temperature_ms:.2f} ms ({m.temperature_to_greedy:.2f}x"
-            " greedy)"
+            f" greedy); softmax's normaliser {m.weigh_ms:.2f} ms (temperature alone"
+            f" {m.temperature_to_weigh:.2f}x it)"
         )
     for c in report.cases:
         line = (
