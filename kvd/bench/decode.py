@@ -116,6 +116,7 @@ def run_decode_bench(
 ) -> DecodeReport:
     """``config_path``: a daemon's config file, whose engine is measured
     (``dtype``, ``quantization`` and ``matmul`` are then the file's)."""
+    from kvd.engine.heap import keep_freed_memory
     from kvd.engine.loader import EMBEDDED_MODEL, embedded_gguf_path
     from kvd.oneshot.batch import BatchGenerator
     from kvd.sched.sampling_params import SamplingParams
@@ -140,6 +141,7 @@ def run_decode_bench(
     )
     say("compiling")
     warm = engine.warm_up()
+    keep_freed_memory()  # as a daemon does once it is ready (kvd/engine/heap.py)
     generator = BatchGenerator(engine)
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     ours: list[DecodeFigures] = []

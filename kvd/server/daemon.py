@@ -43,6 +43,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from kvd import __version__, faults
+from kvd.engine.heap import keep_freed_memory
 from kvd.server import systemd
 from kvd.server.admin import Admin, create_admin_app
 from kvd.server.config import (
@@ -165,11 +166,15 @@ class Daemon:
         clock: Callable[[], float] = time.monotonic,
         exit_process: Callable[[int], object] = os._exit,
         freeze_at_ready: bool = True,
+        keep_heap_at_ready: bool = True,
     ) -> None:
         self.config = config
         # Off only where many daemons start in one process (the tests): each
-        # start's full collection walks everything the process holds.
+        # start's full collection walks everything the process holds, and
+        # the heap setting would outlive the daemon.
         self.freeze_at_ready = freeze_at_ready
+        self.keep_heap_at_ready = keep_heap_at_ready
+        self.heap_kept = False
         self.listen = listen or config.server.listen
         parse_listen(self.listen)
         self.loader = loader
@@ -478,6 +483,10 @@ class Daemon:
         if self.freeze_at_ready:
             gc.collect()
             gc.freeze()
+        # Each step's temporaries reuse the last step's memory instead of
+        # being mapped and faulted in afresh (kvd/engine/heap.py).
+        if self.keep_heap_at_ready:
+            self.heap_kept = keep_freed_memory()
         self.status.ready()
         tenants = {
             t.name: {"reservation_pages": t.reservation_pages, "cap_pages": t.cap_pages}
@@ -490,6 +499,7 @@ class Daemon:
             tenants=tenants,
             prefixes=loaded.scheduler.kv.public_prefixes(),
             frozen_objects=gc.get_freeze_count() if self.freeze_at_ready else 0,
+            heap_kept=self.heap_kept,
         )
         systemd.notify("READY=1", "STATUS=serving")
 

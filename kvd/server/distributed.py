@@ -147,6 +147,7 @@ def run_follower(config: Config, role: Role) -> int:
     it is ready, then replay the leader's device calls until it says stop.
     Signals do not stop a follower: the leader drains first and then stops
     every follower (a second signal forces the exit)."""
+    from kvd.engine.heap import keep_freed_memory
     from kvd.server.loading import build_engine
 
     signals = [0]
@@ -174,6 +175,7 @@ def run_follower(config: Config, role: Role) -> int:
     # the engine's start-up objects would stall a step the leader waits on.
     gc.collect()
     gc.freeze()
+    keep_freed_memory()  # as the leader does at ready: kvd/engine/heap.py
     thread = threading.Thread(
         target=_follow, args=(engine, failure), name="kvd-follower", daemon=True
     )

@@ -266,6 +266,7 @@ async def serving(
         clock=time.monotonic if step_in_thread else trio.current_time,
         exit_process=exits.append,
         freeze_at_ready=freeze_at_ready,
+        keep_heap_at_ready=False,  # it would outlive the daemon, in the test process
     )
     with structlog.testing.capture_logs() as logs:
         daemon.open_kv_events()

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvd.engine.heap import glibc
 from tests.conftest import short_dir
 from tests.server.conftest import (
     ALICE,
@@ -216,6 +217,10 @@ def test_systemd_notify_and_a_sigterm_drain(tmp_path: Path, daemon_env: DaemonEn
         daemon = DaemonProcess(config, env)
         try:
             ready_at = time.monotonic()
+            # Ready: start-up's objects frozen, the heap keeping freed memory.
+            ready = daemon.wait_for("lifecycle.ready")
+            assert ready["frozen_objects"] > 0
+            assert ready["heap_kept"] is (glibc() is not None), ready
             wait_until(
                 lambda: sum(text == "WATCHDOG=1" for _, text in messages) >= 3,
                 "three watchdog pings",
