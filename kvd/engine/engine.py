@@ -9,7 +9,6 @@ tables it reads are those of the KV manager it is bound to.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 import time
@@ -25,7 +24,7 @@ import numpy as np
 import structlog
 
 from kvd import faults
-from kvd.engine import onednn, qdense
+from kvd.engine import heap, onednn, qdense
 from kvd.engine.attention import KEY_CHUNK
 from kvd.engine.batching import (
     BIAS_WIDTH,
@@ -249,16 +248,6 @@ def _inject_step_fault() -> None:
         threading.Event().wait()  # a device that never answers
     if action == "slow":
         time.sleep(faults.SLOW_STEP_S)
-
-
-def _release_free_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc only): compiling
-    leaves hundreds of MB of freed but resident memory behind."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def _warm_runs(tokens: int, seqs: int, reach: int) -> tuple[list[int], list[int]]:
@@ -812,7 +801,7 @@ class Engine:
         self._first_runs(shapes)
         if self.lockstep is not None:  # the leader's first message finds every follower there
             self.lockstep.meet("warm")
-        _release_free_heap()
+        heap.release_free_memory()  # compiling leaves hundreds of MB freed but resident
         self._warm = True
         return time.perf_counter() - start
 

@@ -1,4 +1,4 @@
-"""The C heap of a serving process: memory freed by one step kept for the next.
+"""The C heap of a serving process: start-up's freed memory given back, a step's kept.
 
 XLA:CPU allocates a program's temporaries at each execution and frees them
 after it. glibc's malloc serves a large block with its own ``mmap`` (above a
@@ -41,6 +41,15 @@ def glibc() -> ctypes.CDLL | None:
     except OSError:
         return None
     return libc if hasattr(libc, "gnu_get_libc_version") else None
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the kernel now (glibc's
+    ``malloc_trim``; elsewhere nothing): what start-up freed, before a
+    daemon keeps what serving frees."""
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def keep_freed_memory() -> bool:
