@@ -79,10 +79,10 @@ def run_sampling_bench(
     model = _model_figures(batch, repeats) if model_logits else None
     rng = np.random.default_rng(0)
     # Peaked: a few tokens hold the mass (a nucleus among the candidates).
-    peaked = rng.normal(0, 1, (vocabulary, batch)).astype(np.float32)
-    peaked[rng.integers(0, vocabulary, 8)] += 15
+    peaked = rng.normal(0, 1, (batch, vocabulary)).astype(np.float32)
+    peaked[:, rng.integers(0, vocabulary, 8)] += 15
     # Flat: the best 256 tokens hold a small share (a nucleus beyond them).
-    flat = rng.normal(0, 0.3, (vocabulary, batch)).astype(np.float32)
+    flat = rng.normal(0, 0.3, (batch, vocabulary)).astype(np.float32)
 
     def params(temperature: float, top_k: list[int], top_p: list[float]) -> SamplingBatch:
         return sampling_batch(
@@ -94,7 +94,7 @@ def run_sampling_bench(
         )
 
     one_flat = peaked.copy()
-    one_flat[:, 0] = flat[:, 0]
+    one_flat[0] = flat[0]
     rest = batch - 1
     cases: dict[str, tuple[np.ndarray, SamplingBatch]] = {
         "greedy": (peaked, params(0.0, [0] * batch, [1.0] * batch)),
@@ -175,7 +175,7 @@ def run_sampling_bench(
     paired: dict[str, float] = {}
     for name, base_name in compared.items():
         timed[name], paired[name] = _alternately(step, inputs[base_name], inputs[name], repeats)
-    read = jax.jit(lambda logits: jnp.max(logits, axis=0))
+    read = jax.jit(lambda logits: jnp.max(logits, axis=1))
     peaked_logits = inputs["greedy"][0]
     jax.block_until_ready(read(peaked_logits))
     triples = [
@@ -225,7 +225,7 @@ TEXT = (
 
 
 def model_logits(rows: int) -> tuple[str, Any]:
-    """(model name, next-token logits ``[V, rows]`` of the embedded model
+    """(model name, next-token logits ``[rows, V]`` of the embedded model
     at ``rows`` positions spread along ``TEXT``), from one prefill."""
     import jax
     import jax.numpy as jnp
@@ -258,7 +258,7 @@ def model_logits(rows: int) -> tuple[str, Any]:
     logits, _ = jax.jit(lambda p, pool, b: forward(spec, p, pool, b))(loaded.params, pool, step)
     # Past the first few tokens, whose context is too short to be typical.
     at = np.linspace(min(16, len(ids) - rows), len(ids) - 1, rows).astype(np.int32)
-    return EMBEDDED_MODEL, jnp.asarray(np.asarray(logits)[at].T)
+    return EMBEDDED_MODEL, jnp.asarray(np.asarray(logits)[at])
 
 
 def _model_figures(batch: int, repeats: int) -> ModelLogitsFigures:
@@ -271,8 +271,8 @@ def _model_figures(batch: int, repeats: int) -> ModelLogitsFigures:
 
     name, logits = model_logits(batch)
     step = jax.jit(sample)
-    read = jax.jit(lambda x: jnp.max(x, axis=0))
-    weigh = jax.jit(lambda x: jnp.sum(jnp.exp(x - jnp.max(x, axis=0)), axis=0))
+    read = jax.jit(lambda x: jnp.max(x, axis=1))
+    weigh = jax.jit(lambda x: jnp.sum(jnp.exp(x - jnp.max(x, axis=1, keepdims=True)), axis=1))
 
     def params(temperature: float, call: int) -> Any:
         seeds = jnp.arange(call * batch, (call + 1) * batch, dtype=jnp.uint32)

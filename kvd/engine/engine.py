@@ -58,7 +58,7 @@ from kvd.engine.model import (
     activation_dtype,
     body,
     final_norm,
-    head_vocab_major,
+    head,
     normed_logits,
     prepare_params,
 )
@@ -130,7 +130,7 @@ def run_body(
     return final_norm(spec, params, hidden[batch.sample_index]), every, pool
 
 
-SCORE_ROWS = 16  # prompt positions whose logits ([V, 16]) are computed at a time
+SCORE_ROWS = 16  # prompt positions whose logits ([16, V]) are computed at a time
 
 
 def score_prompt(
@@ -162,12 +162,12 @@ def score_prompt(
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
             at = jax.lax.dynamic_slice(rows, (i * chunk,), (chunk,))
             clipped = jnp.minimum(at, total - 1)
-            logits = head_vocab_major(spec, params, hidden[clipped])  # [V, chunk]
-            normaliser = jax.nn.logsumexp(logits, axis=0)
-            wanted = logits[jnp.maximum(targets[clipped], 0), jnp.arange(chunk)] - normaliser
+            logits = head(spec, params, hidden[clipped])  # [chunk, V]
+            normaliser = jax.nn.logsumexp(logits, axis=1)
+            wanted = logits[jnp.arange(chunk), jnp.maximum(targets[clipped], 0)] - normaliser
 
             def best() -> tuple[jax.Array, jax.Array]:
-                values, ids = jax.lax.top_k(logits.T, top)
+                values, ids = jax.lax.top_k(logits, top)
                 return ids.astype(jnp.int32), values - normaliser[:, None]
 
             ids, values = jax.lax.cond(

@@ -23,9 +23,9 @@ calls are cached on disk like any other: the handler is registered by name
 before a program is traced.
 
 The output projection is the tied embedding transposed (``[D, V]``),
-multiplied like a layer's matrix and transposed back to the sampler's
-vocabulary-major layout by XLA. With the embedding as the left operand
-(vocabulary-major at once) oneDNN's kernel took 22-24 ms at 1 to 32 rows
+multiplied like a layer's matrix: a row of logits per input row, the
+layout the sampler reads. With the embedding as the left operand
+(vocabulary-major logits) oneDNN's kernel took 22-24 ms at 1 to 32 rows
 on an AMD EPYC with AVX-512 BF16, against 8-19 ms this way; a
 vocabulary-major result descriptor falls to its reference kernel (13 s).
 
@@ -530,15 +530,15 @@ def dense_many(x: Any, weights: list[OnednnWeight]) -> list[Any]:
     return [out.astype(x.dtype) for out in outs]
 
 
-def vocab_major(embed: OnednnWeight, rows: Any) -> Any:
-    """Logits ``[V, S]`` f32 for the normed rows ``[S, D]``."""
+def output_logits(embed: OnednnWeight, rows: Any) -> Any:
+    """Logits ``[S, V]`` f32 for the normed rows ``[S, D]``."""
     import jax
     import jax.numpy as jnp
 
     vocab = matrix_shape(embed.weight)[0]
     shape = jax.ShapeDtypeStruct((rows.shape[0], vocab), jnp.float32)
     (out,) = _call(rows.astype(jnp.bfloat16), [embed.slot], [shape])
-    return out.T
+    return out
 
 
 # The layers' matrices (model.py's names) and how each is stored: [in, out].

@@ -181,21 +181,21 @@ def _fuses_any_rows() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def vocab_major_logits(embed: Any, last: jax.Array) -> jax.Array:
-    """``embed @ last.T``: logits ``[V, S]`` for hidden states ``last [S, D]``
+def output_logits(embed: Any, last: jax.Array) -> jax.Array:
+    """``last @ embed.T``: logits ``[S, V]`` for hidden states ``last [S, D]``
     from the tied embedding ``[V, D]`` (the output projection)."""
     if isinstance(embed, OnednnWeight):
         if last.shape[0] >= onednn.HEAD_MIN_ROWS:
-            return onednn.vocab_major(embed, last).astype(last.dtype)
+            return onednn.output_logits(embed, last).astype(last.dtype)
         embed = embed.weight
     if not isinstance(embed, QuantWeight):
-        return (last @ embed.T).T
+        return last @ embed.T
     if last.shape[0] <= FUSED_ROWS or _fuses_any_rows():
-        return (last @ dequantized(embed, last.dtype).T).T
+        return last @ dequantized(embed, last.dtype).T
     vocab = embed.values.shape[0]
     chunks = vocab // HEAD_CHUNK
     if chunks < 2:
-        return jax.lax.optimization_barrier(dequantized(embed, last.dtype)) @ last.T
+        return last @ jax.lax.optimization_barrier(dequantized(embed, last.dtype)).T
     whole = chunks * HEAD_CHUNK
 
     def chunked(array: Any) -> Any:
@@ -203,12 +203,18 @@ def vocab_major_logits(embed: Any, last: jax.Array) -> jax.Array:
             return None
         return array[:whole].reshape(chunks, HEAD_CHUNK, *array.shape[1:])
 
-    def one_chunk(part: QuantWeight) -> jax.Array:
-        return jax.lax.optimization_barrier(dequantized(part, last.dtype)) @ last.T
-
     parts = QuantWeight(chunked(embed.values), chunked(embed.scale), chunked(embed.offset))
-    logits = jax.lax.map(one_chunk, parts).reshape(whole, last.shape[0])
+
+    # Each chunk's logits are written into their columns of one [S, V]
+    # buffer, in place: a stack of the chunks' [S, C] products would need a
+    # transpose (a copy of every logit) to become rows.
+    def one_chunk(i: jax.Array, logits: jax.Array) -> jax.Array:
+        part = QuantWeight(*(None if a is None else a[i] for a in parts))
+        product = last @ jax.lax.optimization_barrier(dequantized(part, last.dtype)).T
+        return jax.lax.dynamic_update_slice_in_dim(logits, product, i * HEAD_CHUNK, 1)
+
+    logits = jax.lax.fori_loop(0, chunks, one_chunk, jnp.zeros((last.shape[0], vocab), last.dtype))
     if whole == vocab:
         return logits
     rest = _rows(embed, slice(whole, None))
-    return jnp.concatenate([logits, dequantized(rest, last.dtype) @ last.T])
+    return logits.at[:, whole:].set(last @ dequantized(rest, last.dtype).T)

@@ -161,9 +161,9 @@ def test_products_equal_the_dequantised_f32_products(rows: int, monkeypatch: Any
     last = rng.standard_normal((rows, 64)).astype(np.float32)
     dense = jax.jit(qdense.dense)(jnp.asarray(x), jax.device_put(layer))
     assert_product_close(dense, x, dequantize(layer))
-    logits = jax.jit(qdense.vocab_major_logits)(jax.device_put(embed), jnp.asarray(last))
-    assert logits.shape == (200, rows)
-    np.testing.assert_allclose(logits, dequantize(embed) @ last.T, rtol=2e-5, atol=2e-5)
+    logits = jax.jit(qdense.output_logits)(jax.device_put(embed), jnp.asarray(last))
+    assert logits.shape == (rows, 200)
+    np.testing.assert_allclose(logits, last @ dequantize(embed).T, rtol=2e-5, atol=2e-5)
     tokens = jnp.asarray(rng.integers(0, 200, rows), jnp.int32)
     rows_out = jax.jit(qdense.embedding_rows, static_argnums=2)(
         jax.device_put(embed), tokens, jnp.float32
@@ -227,12 +227,12 @@ def test_past_one_row_the_head_is_chunked_on_the_cpu_and_one_product_elsewhere(
     last = rng.standard_normal((5, 64)).astype(np.float32)
 
     def head(embed: Any, last: jax.Array) -> jax.Array:  # new per case: JAX caches traces
-        return qdense.vocab_major_logits(embed, last)
+        return qdense.output_logits(embed, last)
 
     program = str(jax.make_jaxpr(head)(embed, jnp.asarray(last)))
     assert ("scan" in program) is not accelerator
     logits = jax.jit(head)(embed, jnp.asarray(last))
-    np.testing.assert_allclose(logits, dequantize(embed) @ last.T, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(logits, last @ dequantize(embed).T, rtol=2e-5, atol=2e-5)
 
 
 def test_auto_is_int8_on_the_cpu_and_the_float_load_on_an_accelerator() -> None:

@@ -48,7 +48,7 @@ def test_products_are_the_f32_products_of_bf16_operands(rows: int) -> None:
 @pytest.mark.parametrize("rows", [1, 7])
 def test_programs_reach_the_products_and_hear_of_a_failure(rows: int) -> None:
     """Inside a jitted program (XLA's FFI call): two products sharing one
-    input, the output projection vocabulary-major, and a slot that names no
+    input, the output projection (a row of logits per input row), and a slot that names no
     matrix fails the call with the reason instead of writing nothing."""
     import jax
     import jax.numpy as jnp
@@ -63,14 +63,14 @@ def test_programs_reach_the_products_and_hear_of_a_failure(rows: int) -> None:
     @jax.jit
     def run(x: Any, head: onednn.OnednnWeight) -> Any:
         q, k = onednn.dense_many(x, [layer["q"], layer["k"]])
-        return q, k, onednn.vocab_major(head, x)
+        return q, k, onednn.output_logits(head, x)
 
     try:
         q, k, logits = run(jnp.asarray(x), prepared["embed"])
         assert_bf16_product(q, x, first)
         assert_bf16_product(k, x, second)
-        assert logits.shape == (300, rows)  # the sampler's layout
-        assert_bf16_product(np.asarray(logits).T, x, embed.T)
+        assert logits.shape == (rows, 300)  # the sampler's layout
+        assert_bf16_product(logits, x, embed.T)
         missing = onednn.OnednnWeight(prepared["embed"].weight, jnp.asarray(10**6, jnp.int32))
         with pytest.raises(Exception, match="oneDNN product failed: KeyError"):
             jax.block_until_ready(run(jnp.asarray(x), missing))

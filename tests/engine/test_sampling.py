@@ -18,7 +18,7 @@ from kvd.engine.sampling import (
     BEYOND_ROWS,
     CANDIDATE_BLOCKS,
     CANDIDATES,
-    DIRECT_ROWS,
+    DRAW_ROWS,
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     MAX_TOP_LOGPROBS,
@@ -36,9 +36,9 @@ VOCAB = 1024
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
-    """Over the vocabulary axis (0) of ``[V, S]`` logits."""
-    shifted = x - x.max(0)
-    return shifted - np.log(np.exp(shifted).sum(0))
+    """Over the vocabulary axis (the last) of ``[S, V]`` logits."""
+    shifted = x - x.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def oracle_keep(row: np.ndarray, top_k: int, top_p: float) -> set[int]:
@@ -77,7 +77,7 @@ def test_exact_keep_matches_a_sort(kind: str, top_k: int, top_p: float) -> None:
     rows = np.stack([logits_for(kind, rng) for _ in range(3)]).astype(np.float32)
     keep = np.asarray(
         exact_keep(
-            jnp.asarray(rows.T),
+            jnp.asarray(rows),
             jnp.full(3, top_k, jnp.int32),
             jnp.full(3, top_p, jnp.float32),
         )
@@ -102,7 +102,7 @@ def test_sampled_tokens_stay_in_the_exact_set(kind: str, top_k: int, top_p: floa
     row = logits_for(kind, rng).astype(np.float32)
     allowed = oracle_keep(row, top_k, top_p)
     draws = 64
-    logits = jnp.asarray(np.repeat(row[:, None], draws, axis=1))  # [V, S]: one row, 64 seeds
+    logits = jnp.asarray(np.repeat(row[None, :], draws, axis=0))  # [S, V]: one row, 64 seeds
     step = jax.jit(sample)
     tokens, *_ = step(logits, _batch(draws, top_k, top_p, seed=1))
     seen = set(np.asarray(tokens).tolist())
@@ -118,7 +118,7 @@ def test_a_batch_mixes_exact_paths_per_row() -> None:
     rng = np.random.default_rng(3)
     kinds = ["flat"] * (BEYOND_ROWS + 2) + ["peaked", "peaked", "peaked"]
     rows = [logits_for(kind, rng) for kind in kinds]
-    logits = jnp.asarray(np.stack(rows, axis=1).astype(np.float32))
+    logits = jnp.asarray(np.stack(rows, axis=0).astype(np.float32))
     n = len(rows)
     top_k = jnp.asarray([0] * (BEYOND_ROWS + 2) + [5, 0, 0], jnp.int32)
     top_p = jnp.asarray([0.9] * (BEYOND_ROWS + 2) + [1.0, 1.0, 1.0], jnp.float32)
@@ -129,7 +129,7 @@ def test_a_batch_mixes_exact_paths_per_row() -> None:
         alone_batch = SamplingBatch(
             *(None if field is None else field[i : i + 1] for field in batch)
         )
-        alone, *_ = jax.jit(sample)(logits[:, i : i + 1], alone_batch)
+        alone, *_ = jax.jit(sample)(logits[i : i + 1], alone_batch)
         assert int(alone[0]) == int(together[i]), i
         if i < BEYOND_ROWS + 2:
             assert int(alone[0]) in oracle_keep(rows[i].astype(np.float32), 0, 0.9)
@@ -142,10 +142,10 @@ def test_logit_bias_moves_greedy_and_sampled_choices_as_numpy_does() -> None:
     model's own."""
     rng = np.random.default_rng(21)
     rows = 4
-    logits = rng.normal(0, 3, (VOCAB, rows)).astype(np.float32)
+    logits = rng.normal(0, 3, (rows, VOCAB)).astype(np.float32)
     ids = np.full((rows, MAX_LOGIT_BIAS), -1, np.int32)
     biases = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
-    best = logits.argmax(axis=0)
+    best = logits.argmax(axis=1)
     ids[0, :2], biases[0, :2] = [17, 500], [100.0, 3.5]  # forced
     ids[1, :1], biases[1, :1] = [best[1]], [-100.0]  # banned: the runner-up wins
     ids[2, :MAX_LOGIT_BIAS] = rng.choice(VOCAB, MAX_LOGIT_BIAS, replace=False)
@@ -161,12 +161,13 @@ def test_logit_bias_moves_greedy_and_sampled_choices_as_numpy_does() -> None:
     for r in range(rows):
         for token, bias in zip(ids[r], biases[r], strict=True):
             if token >= 0:
-                biased[token, r] += bias
-    np.testing.assert_array_equal(np.asarray(tokens), biased.argmax(axis=0))
+                biased[r, token] += bias
+    np.testing.assert_array_equal(np.asarray(tokens), biased.argmax(axis=1))
     assert int(tokens[0]) == 17 and int(tokens[3]) == int(best[3])
-    own = logits - np.log(np.exp(logits - logits.max(0)).sum(0)) - logits.max(0)
+    peak = logits.max(1, keepdims=True)
+    own = logits - np.log(np.exp(logits - peak).sum(1, keepdims=True)) - peak
     np.testing.assert_allclose(
-        np.asarray(logprobs), own[np.asarray(tokens), range(rows)], atol=1e-5
+        np.asarray(logprobs), own[range(rows), np.asarray(tokens)], atol=1e-5
     )
 
 
@@ -174,10 +175,10 @@ def test_min_tokens_masks_end_tokens_and_stop_ids_until_its_position() -> None:
     """A row short of its min_end never samples an end token or one of its stop
     ids, greedy or drawn, however likely; from min_end on it may."""
     rows = 6
-    logits = np.zeros((VOCAB, rows), np.float32)
-    logits[5] = 50.0  # an end token of the model, by far the most likely
-    logits[9] = 40.0  # a stop id of the rows, next
-    logits[11] = 30.0
+    logits = np.zeros((rows, VOCAB), np.float32)
+    logits[:, 5] = 50.0  # an end token of the model, by far the most likely
+    logits[:, 9] = 40.0  # a stop id of the rows, next
+    logits[:, 11] = 30.0
     stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
     stop_ids[:, 0] = 9
     positions = jnp.asarray([3, 3, 3, 7, 8, 3], jnp.int32)
@@ -194,7 +195,7 @@ def test_min_tokens_masks_end_tokens_and_stop_ids_until_its_position() -> None:
     step = jax.jit(partial(sample, end_ids=(5, 6)))
     tokens, *_ = step(jnp.asarray(logits), batch)
     assert np.asarray(tokens).tolist() == [11, 11, 5, 11, 5, 11]
-    logits[5] = 0.0  # now the stop id leads: sampled where it is no longer masked
+    logits[:, 5] = 0.0  # now the stop id leads: sampled where it is no longer masked
     tokens, *_ = step(jnp.asarray(logits), batch)
     assert np.asarray(tokens).tolist() == [11, 11, 9, 11, 9, 11]
 
@@ -221,7 +222,7 @@ def test_min_p_draws_stay_in_numpys_set(min_p: float, top_k: int) -> None:
         seeds=jnp.arange(draws, dtype=jnp.uint32),
         min_p=jnp.full(draws, min_p, jnp.float32),
     )
-    logits = jnp.asarray(np.repeat(row[:, None], draws, axis=1))
+    logits = jnp.asarray(np.repeat(row[None, :], draws, axis=0))
     tokens, *_ = jax.jit(sample)(logits, batch)
     seen = set(np.asarray(tokens).tolist())
     assert seen <= allowed
@@ -235,7 +236,7 @@ def test_top_logprobs_are_numpys_best_tokens_of_the_log_softmax() -> None:
     skipped)."""
     rng = np.random.default_rng(8)
     rows = 3
-    logits = rng.normal(0, 2, (VOCAB, rows)).astype(np.float32)
+    logits = rng.normal(0, 2, (rows, VOCAB)).astype(np.float32)
     bias_ids = np.full((rows, MAX_LOGIT_BIAS), -1, np.int32)
     bias_ids[0, 0] = 3
     biases = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
@@ -248,12 +249,12 @@ def test_top_logprobs_are_numpys_best_tokens_of_the_log_softmax() -> None:
     )
     step = jax.jit(sample)
     _, _, ids, values = step(jnp.asarray(logits), batch)
-    shifted = logits - logits.max(0)
-    log_softmax = shifted - np.log(np.exp(shifted).sum(0))
+    shifted = logits - logits.max(1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
     for r in (0, 2):
-        best = np.argsort(-log_softmax[:, r], kind="stable")[:MAX_TOP_LOGPROBS]
+        best = np.argsort(-log_softmax[r], kind="stable")[:MAX_TOP_LOGPROBS]
         assert np.asarray(ids)[r].tolist() == best.tolist()
-        np.testing.assert_allclose(np.asarray(values)[r], log_softmax[best, r], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(values)[r], log_softmax[r, best], atol=1e-5)
     assert not np.asarray(ids)[1].any() and not np.asarray(values)[1].any()
     _, _, ids, values = step(jnp.asarray(logits), sampling_batch(rows))
     assert not np.asarray(ids).any() and not np.asarray(values).any()
@@ -268,7 +269,7 @@ def test_logprobs_are_computed_for_the_rows_that_ask_whatever_their_number(
     others get zeros."""
     rng = np.random.default_rng(len(asking))
     rows = 10
-    logits = rng.normal(0, 2, (VOCAB, rows)).astype(np.float32)
+    logits = rng.normal(0, 2, (rows, VOCAB)).astype(np.float32)
     wants = np.isin(np.arange(rows), asking)
     batch = sampling_batch(
         rows,
@@ -279,10 +280,10 @@ def test_logprobs_are_computed_for_the_rows_that_ask_whatever_their_number(
     own = log_softmax(logits.astype(np.float64))
     for r in range(rows):
         if r in asking:
-            best = np.argsort(-own[:, r], kind="stable")[:MAX_TOP_LOGPROBS]
+            best = np.argsort(-own[r], kind="stable")[:MAX_TOP_LOGPROBS]
             assert np.asarray(ids)[r].tolist() == best.tolist()
-            np.testing.assert_allclose(np.asarray(values)[r], own[best, r], atol=1e-5)
-            assert abs(float(logprobs[r]) - own[int(tokens[r]), r]) < 1e-5
+            np.testing.assert_allclose(np.asarray(values)[r], own[r, best], atol=1e-5)
+            assert abs(float(logprobs[r]) - own[r, int(tokens[r])]) < 1e-5
         else:
             assert float(logprobs[r]) == 0.0 and not np.asarray(ids)[r].any()
 
@@ -294,20 +295,21 @@ def penalized_oracle(
     positions: np.ndarray,
     penalties: list[tuple[float, float, float]],
 ) -> np.ndarray:
-    """vLLM's apply_penalties in numpy, row by row: (presence, frequency,
-    repetition) per row, over the history's tokens below its position."""
+    """vLLM's apply_penalties in numpy, row by row of ``[S, V]`` logits:
+    (presence, frequency, repetition) per row, over the history's tokens
+    below its position."""
     out = logits.astype(np.float64).copy()
     for r, (presence, frequency, repetition) in enumerate(penalties):
         tokens = history[r, : positions[r]]
         prompt, generated = tokens[: prompt_end[r]], tokens[prompt_end[r] :]
-        counts = np.bincount(generated, minlength=logits.shape[0])
-        seen = np.zeros(logits.shape[0], bool)
+        counts = np.bincount(generated, minlength=logits.shape[1])
+        seen = np.zeros(logits.shape[1], bool)
         seen[prompt] = True
         seen[generated] = True
-        col = out[:, r]
+        row = out[r]
         factor = np.where(seen, repetition, 1.0)
-        col[:] = np.where(col > 0, col / factor, col * factor)
-        col -= frequency * counts + presence * (counts > 0)
+        row[:] = np.where(row > 0, row / factor, row * factor)
+        row -= frequency * counts + presence * (counts > 0)
     return out
 
 
@@ -327,7 +329,7 @@ def test_penalties_give_numpys_next_token_distribution() -> None:
         (2.0, -2.0, 10.0),
     ]
     rows, width = len(penalties), 96
-    logits = rng.normal(0, 3, (VOCAB, rows)).astype(np.float32)
+    logits = rng.normal(0, 3, (rows, VOCAB)).astype(np.float32)
     # Histories drawn from a few tokens, so tokens repeat in prompt and output.
     history = rng.choice(rng.choice(VOCAB, 24, replace=False), (rows, width)).astype(np.int32)
     prompt_end = rng.integers(1, 40, rows).astype(np.int32)
@@ -349,12 +351,12 @@ def test_penalties_give_numpys_next_token_distribution() -> None:
     adjusted = np.asarray(jax.jit(adjusted_logits)(jnp.asarray(logits), batch))
     want = penalized_oracle(logits, history, prompt_end, positions, penalties)
     np.testing.assert_allclose(log_softmax(adjusted), log_softmax(want), atol=1e-5)
-    np.testing.assert_array_equal(adjusted[:, 0], logits[:, 0])
+    np.testing.assert_array_equal(adjusted[0], logits[0])
     tokens, logprobs, *_ = jax.jit(sample)(jnp.asarray(logits), batch)
-    assert np.asarray(tokens).tolist() == want.argmax(axis=0).tolist()
+    assert np.asarray(tokens).tolist() == want.argmax(axis=1).tolist()
     own = log_softmax(logits.astype(np.float64))  # reported logprobs: the model's own
     np.testing.assert_allclose(
-        np.asarray(logprobs), own[np.asarray(tokens), range(rows)], atol=1e-5
+        np.asarray(logprobs), own[range(rows), np.asarray(tokens)], atol=1e-5
     )
     # Prompt tokens do not count for frequency and presence: a row whose
     # history is all prompt is changed by repetition alone.
@@ -367,8 +369,8 @@ def test_penalties_give_numpys_next_token_distribution() -> None:
         frequency=jnp.asarray([2.0], jnp.float32),
     )
     np.testing.assert_array_equal(
-        np.asarray(jax.jit(adjusted_logits)(jnp.asarray(logits[:, :1]), only_prompt)),
-        logits[:, :1],
+        np.asarray(jax.jit(adjusted_logits)(jnp.asarray(logits[:1]), only_prompt)),
+        logits[:1],
     )
 
 
@@ -379,7 +381,7 @@ def test_a_grammars_bitmask_allows_only_its_tokens() -> None:
     model's own."""
     rng = np.random.default_rng(5)
     rows = 4
-    logits = rng.normal(0, 3, (VOCAB, rows)).astype(np.float32)
+    logits = rng.normal(0, 3, (rows, VOCAB)).astype(np.float32)
     allowed = [
         np.array([5, 17, 999]),
         np.arange(VOCAB),  # all ones: a row without a grammar
@@ -395,10 +397,11 @@ def test_a_grammars_bitmask_allows_only_its_tokens() -> None:
     assert (masks[1] == -1).all()
     batch = sampling_batch(rows, allowed=jnp.asarray(masks), want_logprobs=jnp.ones(rows, bool))
     tokens, logprobs, *_ = jax.jit(sample)(jnp.asarray(logits), batch)
-    expected = [int(ids[logits[ids, r].argmax()]) for r, ids in enumerate(allowed)]
+    expected = [int(ids[logits[r, ids].argmax()]) for r, ids in enumerate(allowed)]
     assert np.asarray(tokens).tolist() == expected
-    own = logits - np.log(np.exp(logits - logits.max(0)).sum(0)) - logits.max(0)
-    np.testing.assert_allclose(np.asarray(logprobs), own[expected, range(rows)], atol=1e-5)
+    peak = logits.max(1, keepdims=True)
+    own = logits - np.log(np.exp(logits - peak).sum(1, keepdims=True)) - peak
+    np.testing.assert_allclose(np.asarray(logprobs), own[range(rows), expected], atol=1e-5)
     draw = jax.jit(sample)
     for seed in range(40):
         batch = sampling_batch(
@@ -416,17 +419,17 @@ def test_a_grammars_bitmask_allows_only_its_tokens() -> None:
 
 def test_first_argmax_is_argmax_with_ties_and_masks() -> None:
     """The blockwise argmax picks what ``argmax`` picks: the first of equal
-    maxima, a column all masked to -inf included; a NaN column gives an
+    maxima, a row all masked to -inf included; a NaN row gives an
     in-range index."""
     rng = np.random.default_rng(7)
-    values = rng.integers(-3, 4, (1000, 9)).astype(np.float32)  # many ties
-    values[:, 3] = -np.inf
-    values[:, 4] = rng.standard_normal(1000)
-    values[[10, 900], 5] = 50.0  # two equal maxima: the first wins
+    values = rng.integers(-3, 4, (9, 1000)).astype(np.float32)  # many ties
+    values[3] = -np.inf
+    values[4] = rng.standard_normal(1000)
+    values[5, [10, 900]] = 50.0  # two equal maxima: the first wins
     picked = np.asarray(jax.jit(first_argmax)(jnp.asarray(values)))
-    np.testing.assert_array_equal(picked, np.argmax(values, axis=0))
+    np.testing.assert_array_equal(picked, np.argmax(values, axis=1))
     assert picked[5] == 10
-    values[17, 6] = np.nan
+    values[6, 17] = np.nan
     assert 0 <= int(jax.jit(first_argmax)(jnp.asarray(values))[6]) < 1000
 
 
@@ -434,12 +437,12 @@ def test_first_argmax_finds_ties_across_blocks() -> None:
     """Equal maxima in different blocks: the first block's wins, and within
     it the first entry."""
     vocab = 64 * block_size(1 << 16)
-    values = np.zeros((vocab, 3), np.float32)
-    values[[70_000 % vocab, 5_000, 5_001], 0] = 9.0
-    values[vocab - 1, 1] = 1.0
-    values[[3, 2], 2] = 4.0
+    values = np.zeros((3, vocab), np.float32)
+    values[0, [70_000 % vocab, 5_000, 5_001]] = 9.0
+    values[1, vocab - 1] = 1.0
+    values[2, [3, 2]] = 4.0
     picked = np.asarray(jax.jit(first_argmax)(jnp.asarray(values)))
-    np.testing.assert_array_equal(picked, np.argmax(values, axis=0))
+    np.testing.assert_array_equal(picked, np.argmax(values, axis=1))
 
 
 def _chi_square_ok(tokens: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
@@ -483,7 +486,7 @@ def _softmax_draws(
 ) -> np.ndarray:
     """Tokens drawn for ``row`` of logits, ``calls`` x ``rows`` times: each
     a different seed and position (``step``: the jitted sampler to use)."""
-    logits = jnp.asarray(np.repeat(row[:, None], rows, axis=1))
+    logits = jnp.asarray(np.repeat(row[None, :], rows, axis=0))
     step = step or _SAMPLE
     drawn = []
     for call in range(calls):
@@ -532,13 +535,13 @@ def test_temperature_draws_follow_the_softmax(kind: str, temperature: float, min
     assert statistic < bound, (statistic, bound)
 
 
-@pytest.mark.parametrize("rows", [DIRECT_ROWS, 512])
+@pytest.mark.parametrize("rows", [DRAW_ROWS, 512])
 def test_draws_refused_too_often_end_on_exact_masses(
     rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With no second proposal allowed, rows whose first is refused take
     their draw from every entry's exact weight, summed by blocks in one
-    reduction (up to DIRECT_ROWS rows) or by runs in a loop: the
+    reduction (one group of DRAW_ROWS rows, or a loop of them): the
     distribution stays the softmax's, with min_p's cut."""
     import kvd.engine.sampling as sampling
 
@@ -557,12 +560,12 @@ def test_draws_refused_too_often_end_on_exact_masses(
 
 
 def test_an_exact_draw_is_the_rows_own_whatever_the_batch_width() -> None:
-    """A row that ends in the exact pass draws the same token alone (its
-    blocks summed in one reduction) as in a batch wider than DIRECT_ROWS
-    (summed by runs in a loop)."""
-    width = DIRECT_ROWS + 4
+    """A row that ends in the exact pass draws the same token alone as in a
+    batch wider than DRAW_ROWS, whose groups of rows the exact pass weighs
+    in turn, the last overlapping the one before (rows drawn twice)."""
+    width = DRAW_ROWS + 4
     rows = [_draw_rows(("flat", "peaked", "spiky")[i % 3]) for i in range(width)]
-    logits = jnp.asarray(np.stack(rows, axis=1))
+    logits = jnp.asarray(np.stack(rows, axis=0))
     batch = sampling_batch(
         width,
         temperature=jnp.full(width, 1.0, jnp.float32),
@@ -574,7 +577,7 @@ def test_an_exact_draw_is_the_rows_own_whatever_the_batch_width() -> None:
         alone_batch = SamplingBatch(
             *(None if field is None else field[i : i + 1] for field in batch)
         )
-        alone = np.asarray(jax.jit(sample)(logits[:, i : i + 1], alone_batch)[0])
+        alone = np.asarray(jax.jit(sample)(logits[i : i + 1], alone_batch)[0])
         assert int(alone[0]) == int(together[i]), i
 
 
@@ -582,7 +585,7 @@ def test_a_rows_draw_is_its_own_whatever_the_batch() -> None:
     """A temperature row draws the same token alone as beside other rows,
     whether those are greedy or drawing (and whether they are refused)."""
     rows = [_draw_rows(kind) for kind in ("flat", "peaked", "spiky", "flat")]
-    logits = jnp.asarray(np.stack(rows, axis=1))
+    logits = jnp.asarray(np.stack(rows, axis=0))
     batch = sampling_batch(
         4,
         temperature=jnp.asarray([1.0, 0.0, 0.7, 1.0], jnp.float32),
@@ -594,6 +597,6 @@ def test_a_rows_draw_is_its_own_whatever_the_batch() -> None:
         alone_batch = SamplingBatch(
             *(None if field is None else field[i : i + 1] for field in batch)
         )
-        alone = np.asarray(jax.jit(sample)(logits[:, i : i + 1], alone_batch)[0])
+        alone = np.asarray(jax.jit(sample)(logits[i : i + 1], alone_batch)[0])
         assert int(alone[0]) == int(together[i]), i
     assert int(together[1]) == int(np.argmax(rows[1]))
