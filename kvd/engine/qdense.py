@@ -206,12 +206,17 @@ def output_logits(embed: Any, last: jax.Array) -> jax.Array:
     parts = QuantWeight(chunked(embed.values), chunked(embed.scale), chunked(embed.offset))
 
     # Each chunk's logits are written into their columns of one [S, V]
-    # buffer, in place: a stack of the chunks' [S, C] products would need a
-    # transpose (a copy of every logit) to become rows.
+    # buffer, in place. The product itself is vocabulary-major, the
+    # dequantised chunk its left operand: XLA:CPU's product with the chunk on
+    # the right repacks it every call (8 rows: 27 ms against 20 for the
+    # head). The barrier keeps XLA from folding the transpose back into the
+    # product.
     def one_chunk(i: jax.Array, logits: jax.Array) -> jax.Array:
         part = QuantWeight(*(None if a is None else a[i] for a in parts))
-        product = last @ jax.lax.optimization_barrier(dequantized(part, last.dtype)).T
-        return jax.lax.dynamic_update_slice_in_dim(logits, product, i * HEAD_CHUNK, 1)
+        product = jax.lax.optimization_barrier(
+            jax.lax.optimization_barrier(dequantized(part, last.dtype)) @ last.T
+        )
+        return jax.lax.dynamic_update_slice_in_dim(logits, product.T, i * HEAD_CHUNK, 1)
 
     logits = jax.lax.fori_loop(0, chunks, one_chunk, jnp.zeros((last.shape[0], vocab), last.dtype))
     if whole == vocab:
