@@ -468,13 +468,9 @@ def draw_by_blocks(
     floor = jnp.where(min_p > 0, jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
 
     scale = best, inverse, floor
-
-    def weights(values: jax.Array) -> jax.Array:  # [S, ...] -> unnormalised probabilities
-        return _weights(values, scale)
-
-    bound = size * weights(maxima)  # [S, blocks]
+    bound = size * _weights(maxima, scale)  # [S, blocks]
     candidates = jax.lax.top_k(maxima, min(CANDIDATE_BLOCKS, blocks))[1]  # [S, K]
-    exact = weights(_block_values(logits, candidates, size)).sum(axis=-1)  # [S, K]
+    exact = _weights(_block_values(logits, candidates, size), scale).sum(axis=-1)  # [S, K]
     row = jnp.arange(seqs)[:, None]
     proposal = bound.at[row, candidates].set(exact)
     is_candidate = jnp.zeros((seqs, blocks), jnp.bool_).at[row, candidates].set(True)
@@ -487,7 +483,7 @@ def draw_by_blocks(
         at = jnp.arange(seqs)
         target = draws[:, 0] * cumulative[:, -1]
         block = jnp.minimum(jnp.sum(cumulative <= target[:, None], axis=1), blocks - 1)
-        weight = weights(_block_values(logits, block, size))  # [S, B]
+        weight = _weights(_block_values(logits, block, size), scale)  # [S, B]
         mass = weight.sum(axis=1)
         offered = proposal[at, block]
         kept = is_candidate[at, block] | (draws[:, 1] * offered < mass)
