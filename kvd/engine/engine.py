@@ -63,6 +63,7 @@ from kvd.engine.model import (
     prepare_params,
 )
 from kvd.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingBatch, sample
+from kvd.engine.weight_args import WeightsJit
 from kvd.kv.geometry import POOL_DTYPES, GeometryError, canonical_dtype
 from kvd.kv.layout import build_layout
 from kvd.kv.manager import KVManager, StepColumns
@@ -506,7 +507,7 @@ class Engine:
             shardings = {"out_shardings": (everywhere, everywhere, pool_sharding)}
             head_shardings = {"out_shardings": everywhere}
             copy_shardings = {"out_shardings": pool_sharding}
-        self._body = jax.jit(
+        self._body = WeightsJit(
             partial(run_body, self.spec, cfg.max_num_seqs),
             static_argnames=("tokens", "width"),
             donate_argnums=(1, 3),
@@ -515,12 +516,12 @@ class Engine:
         tokenizer = model.tokenizer
         # EOS and end-of-turn end every generation (no tokenizer: a bare model in tests).
         self.stop_ids = tokenizer.stop_ids() if tokenizer is not None else frozenset()
-        self._head = jax.jit(
+        self._head = WeightsJit(
             partial(head_and_sample, self.spec, tuple(sorted(self.stop_ids))),
             static_argnames=("seqs",),
             **head_shardings,
         )
-        self._score = jax.jit(partial(score_prompt, self.spec), **head_shardings)
+        self._score = WeightsJit(partial(score_prompt, self.spec), **head_shardings)
         # Under several processes the leader reads every shard of a copy (each
         # host's shards travel to it), so the gather's result is replicated.
         gather_shardings = {} if jax.process_count() == 1 else head_shardings
@@ -763,7 +764,10 @@ class Engine:
         if program is None:
             # Ahead-of-time: compile without running (the persistent cache makes
             # this a disk read on a restart).
-            program = jitted.lower(*args, **static).compile()
+            if isinstance(jitted, WeightsJit):  # the first argument is the weights
+                program = jitted.compile(*args, **static)
+            else:
+                program = jitted.lower(*args, **static).compile()
             self._programs[key] = program
             if self._warm:  # a shape no bucket covers: a bug worth an operator's eye
                 self.late_compiles += 1
