@@ -24,15 +24,18 @@ import jax.numpy as jnp
 def read_inputs(jaxpr: Any, count: int) -> tuple[int, ...]:
     """The indices among the first ``count`` inputs of ``jaxpr`` (a Jaxpr)
     that its outputs depend on: dead-code elimination through nested calls
-    (a layer is its own jitted call, given the whole layer's weights)."""
+    (a layer is its own jitted call, given the whole layer's weights). With a
+    JAX whose elimination is not where this looks, the inputs any equation
+    or output refers to at the top."""
     try:
         from jax._src.interpreters.partial_eval import dce_jaxpr
-    except ImportError:  # a JAX without it: the inputs referred to at the top
+
+        _, used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+        return tuple(i for i in range(count) if used[i])
+    except (ImportError, TypeError, AttributeError):
         referred = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
         referred |= {id(v) for v in jaxpr.outvars}
         return tuple(i for i, var in enumerate(jaxpr.invars[:count]) if id(var) in referred)
-    _, used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
-    return tuple(i for i in range(count) if used[i])
 
 
 class WeightProgram:
