@@ -247,9 +247,14 @@ class Allocator:
             slots = self.registry.slots_of(seqs)
         before = self.registry.columns.matrix[:, slots] if step is None else step.matrix
         computed = before[COMPUTED]
-        decode = (before[RESIDENT] == 1) & (before[LENGTH] == computed + 1)
+        matrix = self.registry.columns.matrix
+        new = computed + 1
+        decode = (before[RESIDENT] == 1) & (before[LENGTH] == new)
         capacity = before[BLOCKS] * self.registry.block_size
         fits = decode & (computed < capacity)
+        if fits.all():  # most steps: every token lands in a block its sequence holds
+            matrix[ALLOCATED, slots] = new
+            return []
         left = np.flatnonzero(~fits)
         all_at_boundary = bool((decode[left] & (computed[left] == capacity[left])).all())
         if (
@@ -259,8 +264,7 @@ class Allocator:
         ):
             fits[left] = True
             left = left[:0]
-        matrix = self.registry.columns.matrix
-        matrix[ALLOCATED, slots] = np.where(fits, computed + 1, before[ALLOCATED])
+        matrix[ALLOCATED, slots] = np.where(fits, new, before[ALLOCATED])
         return left.tolist()  # type: ignore[no-any-return]
 
     def _grow_by_one_block(self, seqs: list[Sequence], slots: np.ndarray[Any, Any]) -> bool:
