@@ -29,6 +29,7 @@ from kvd.engine.sampling import (
     first_argmax,
     sample,
     sampling_batch,
+    top_candidates,
 )
 from kvd.sched.constraint import allowed_tokens, mask_words
 
@@ -69,6 +70,25 @@ CASES = [
     ("flat", CANDIDATES + 200, 0.7),  # both
     ("flat", 0, 1e-30),  # a nucleus of one token
 ]
+
+
+def test_top_candidates_in_stages_are_top_k() -> None:
+    """The staged selection (blocks with the best maxima, then finer blocks)
+    gives top_k's values and tokens: on a vocabulary large enough to take
+    the stages, with ties everywhere and with nearly every token at -inf."""
+    rng = np.random.default_rng(4)
+    vocab = 131_072  # 512 blocks of 256: the stages run
+    rows = np.stack(
+        [
+            rng.normal(0, 1, vocab),
+            rng.integers(-4, 4, vocab).astype(np.float64),  # many equal values
+            np.where(rng.random(vocab) < 0.999, -np.inf, rng.normal(0, 1, vocab)),
+        ]
+    ).astype(np.float32)
+    values, tokens = jax.jit(lambda x: top_candidates(x, CANDIDATES))(jnp.asarray(rows))
+    want_values, want_tokens = jax.lax.top_k(jnp.asarray(rows), CANDIDATES)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
 
 
 @pytest.mark.parametrize(("kind", "top_k", "top_p"), CASES)
