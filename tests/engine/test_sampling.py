@@ -555,6 +555,36 @@ def test_temperature_draws_follow_the_softmax(kind: str, temperature: float, min
     assert statistic < bound, (statistic, bound)
 
 
+@pytest.mark.parametrize(("top_k", "top_p"), [(CANDIDATES + 200, 1.0), (0, 0.9)])
+def test_cuts_beyond_the_candidates_draw_the_renormalised_softmax(top_k: int, top_p: float) -> None:
+    """Rows whose cut falls beyond the candidates (a top-k larger than them,
+    a nucleus of a flat distribution) draw by Gumbel-max over the kept set
+    of the whole vocabulary: a chi-square over 12,288 draws against the
+    softmax renormalised over vLLM's set."""
+    row = np.random.default_rng(23).normal(0, 0.5, VOCAB).astype(np.float32)
+    kept = sorted(oracle_keep(row, top_k, top_p))
+    assert len(kept) > CANDIDATES  # the path under test
+    probs = np.zeros(VOCAB)
+    probs[kept] = np.exp(row[kept].astype(np.float64) - row.max())
+    probs /= probs.sum()
+    rows, drawn = 512, []
+    logits = jnp.asarray(np.repeat(row[None, :], rows, axis=0))
+    for call in range(24):
+        batch = sampling_batch(
+            rows,
+            temperature=jnp.ones(rows, jnp.float32),
+            top_k=jnp.full(rows, top_k, jnp.int32),
+            top_p=jnp.full(rows, top_p, jnp.float32),
+            seeds=jnp.full(rows, call, jnp.uint32),
+            positions=jnp.arange(rows, dtype=jnp.int32),
+        )
+        drawn.append(np.asarray(_SAMPLE(logits, batch)[0]))
+    tokens = np.concatenate(drawn)
+    assert probs[tokens].min() > 0  # nothing outside the set
+    statistic, bound = _chi_square_ok(tokens, probs)
+    assert statistic < bound, (statistic, bound)
+
+
 @pytest.mark.parametrize("rows", [DRAW_ROWS, 512])
 def test_draws_refused_too_often_end_on_exact_masses(
     rows: int, monkeypatch: pytest.MonkeyPatch
