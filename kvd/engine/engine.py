@@ -24,7 +24,7 @@ import numpy as np
 import structlog
 
 from kvd import faults
-from kvd.engine import heap, onednn, qdense
+from kvd.engine import heap, hugepages, onednn, qdense
 from kvd.engine.attention import KEY_CHUNK
 from kvd.engine.batching import (
     BIAS_WIDTH,
@@ -543,6 +543,7 @@ class Engine:
         self.decode_tokens = 0
         self.decode_seconds = 0.0
         self._warm = False
+        self.huge_page_bytes = 0  # the weights and pool on huge pages (hugepages.py)
         self._rows = self._new_rows()
         self._minus_ones: dict[tuple[int, ...], Any] = {}  # by shape (``_constant``)
         self.mask_words = mask_words(self.vocab_size)
@@ -806,6 +807,11 @@ class Engine:
         if self.lockstep is not None:  # the leader's first message finds every follower there
             self.lockstep.meet("warm")
         heap.release_free_memory()  # compiling leaves hundreds of MB freed but resident
+        # Every step reads the weights (and the pool) through the TLB: on
+        # huge pages a batch-1 token took 13.6-14.1 ms against 14.6-15.4.
+        self.huge_page_bytes = hugepages.back_with_huge_pages(
+            [*jax.tree_util.tree_leaves(self.params), self.pool]
+        )
         self._warm = True
         return time.perf_counter() - start
 

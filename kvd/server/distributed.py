@@ -169,7 +169,14 @@ def run_follower(config: Config, role: Role) -> int:
 
     engine, _, _ = build_engine(config, progress)
     seconds = engine.warm_up()
-    progress("lifecycle.warm", {"seconds": round(seconds, 2), "programs": engine.compiled_shapes()})
+    progress(
+        "lifecycle.warm",
+        {
+            "seconds": round(seconds, 2),
+            "programs": engine.compiled_shapes(),
+            "huge_page_bytes": engine.huge_page_bytes,
+        },
+    )
     failure: list[BaseException] = []
     # As the leader does at ready (Daemon.go_live): a full collection walking
     # the engine's start-up objects would stall a step the leader waits on.

@@ -228,7 +228,14 @@ def load(
             progress("lifecycle.warmup", {"done": done, "total": total, "compiling": what})
 
     seconds = engine.warm_up(warm)
-    progress("lifecycle.warm", {"seconds": round(seconds, 2), "programs": engine.compiled_shapes()})
+    progress(
+        "lifecycle.warm",
+        {
+            "seconds": round(seconds, 2),
+            "programs": engine.compiled_shapes(),
+            "huge_page_bytes": engine.huge_page_bytes,
+        },
+    )
     # On a scratch KV manager of its own: the calibration's prompts are nobody's.
     progress("lifecycle.calibrating", {"what": "the prefill and copy rates"})
     rates = scheduler.calibrate()
