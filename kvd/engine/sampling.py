@@ -561,9 +561,9 @@ def exact_draw(
     runs = RUNS
     while blocks % runs:
         runs //= 2
-    width = min(DRAW_ROWS, seqs)
 
     def group(rows: jax.Array, scale: tuple[jax.Array, ...], draws: jax.Array) -> jax.Array:
+        width = rows.shape[0]
         weight = _weights(rows, scale).reshape(width, blocks, size)
         by_run = weight.sum(axis=2).reshape(width, runs, blocks // runs)  # [G, runs, blocks]
         chosen = _pick(by_run.sum(axis=2), draws[:, 0])
@@ -572,20 +572,33 @@ def exact_draw(
         inside = _weights(_block_values(rows, block, size), scale)
         return block * size + _pick(inside, draws[:, 2])
 
+    return _in_row_groups(
+        lambda rows, best, inverse, floor, draws: group(rows, (best, inverse, floor), draws),
+        jnp.int32,
+        logits,
+        *scale,
+        draws,
+    )
+
+
+def _in_row_groups(compute: Any, dtype: Any, *arrays: jax.Array) -> jax.Array:
+    """``compute(*arrays)`` (a value per row of ``arrays [S, ...]``) over
+    ``DRAW_ROWS`` rows at a time, the last group overlapping the one before
+    when they do not divide the rows (its rows computed twice, the same
+    way): over more rows at once XLA:CPU computes the exponentials one at a
+    time. A row's value does not depend on its batch."""
+    seqs = arrays[0].shape[0]
+    width = min(DRAW_ROWS, seqs)
     if width == seqs:
-        return group(logits, scale, draws)
+        return compute(*arrays)  # type: ignore[no-any-return]
 
-    def one_group(i: jax.Array, tokens: jax.Array) -> jax.Array:
+    def one_group(i: jax.Array, out: jax.Array) -> jax.Array:
         start = jnp.minimum(i * width, seqs - width)
-
-        def rows_of(array: jax.Array) -> jax.Array:
-            return jax.lax.dynamic_slice_in_dim(array, start, width, 0)
-
-        drawn = group(rows_of(logits), tuple(rows_of(a) for a in scale), rows_of(draws))
-        return jax.lax.dynamic_update_slice_in_dim(tokens, drawn, start, 0)
+        rows = [jax.lax.dynamic_slice_in_dim(array, start, width, 0) for array in arrays]
+        return jax.lax.dynamic_update_slice_in_dim(out, compute(*rows), start, 0)
 
     groups = -(-seqs // width)
-    return jax.lax.fori_loop(0, groups, one_group, jnp.zeros(seqs, jnp.int32))
+    return jax.lax.fori_loop(0, groups, one_group, jnp.zeros(seqs, dtype))
 
 
 def _pick(weights: jax.Array, draws: jax.Array) -> jax.Array:
@@ -718,26 +731,11 @@ def _log_normaliser(logits: jax.Array, temperature: jax.Array, floor: jax.Array)
     ``DRAW_ROWS`` rows at a time, as ``exact_draw`` weighs them (over 32 rows
     at once XLA:CPU computes the exponentials one at a time: 9 ms against
     about 2 for the 270M's logits)."""
-    seqs = logits.shape[0]
-    width = min(DRAW_ROWS, seqs)
 
     def of(rows: jax.Array, temperature: jax.Array, floor: jax.Array) -> jax.Array:
         return jax.nn.logsumexp(_cut(rows / temperature[:, None], floor), axis=1)
 
-    if width == seqs:
-        return of(logits, temperature, floor)
-
-    def one_group(i: jax.Array, out: jax.Array) -> jax.Array:
-        start = jnp.minimum(i * width, seqs - width)
-
-        def rows_of(array: jax.Array) -> jax.Array:
-            return jax.lax.dynamic_slice_in_dim(array, start, width, 0)
-
-        sums = of(rows_of(logits), rows_of(temperature), rows_of(floor))
-        return jax.lax.dynamic_update_slice_in_dim(out, sums, start, 0)
-
-    groups = -(-seqs // width)
-    return jax.lax.fori_loop(0, groups, one_group, jnp.zeros(seqs, logits.dtype))
+    return _in_row_groups(of, logits.dtype, logits, temperature, floor)
 
 
 def exact_keep(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
