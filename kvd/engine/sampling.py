@@ -471,7 +471,7 @@ def draw_by_blocks(
     inverse = 1.0 / jnp.maximum(temperature, MIN_TEMPERATURE)  # [S]
     best = jnp.max(maxima, axis=1)  # [S]
     # min_p drops what is less likely than its share of the best token.
-    floor = jnp.where(min_p > 0, jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
+    floor = _min_p_floor(jnp.zeros_like(min_p), min_p)  # scaled relative to the best
 
     scale = best, inverse, floor
     bound = size * _weights(maxima, scale)  # [S, blocks]

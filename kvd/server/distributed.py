@@ -148,7 +148,7 @@ def run_follower(config: Config, role: Role) -> int:
     Signals do not stop a follower: the leader drains first and then stops
     every follower (a second signal forces the exit)."""
     from kvd.engine.heap import keep_freed_memory
-    from kvd.server.loading import build_engine
+    from kvd.server.loading import build_engine, warm_fields
 
     signals = [0]
 
@@ -169,14 +169,7 @@ def run_follower(config: Config, role: Role) -> int:
 
     engine, _, _ = build_engine(config, progress)
     seconds = engine.warm_up()
-    progress(
-        "lifecycle.warm",
-        {
-            "seconds": round(seconds, 2),
-            "programs": engine.compiled_shapes(),
-            "huge_page_bytes": engine.huge_page_bytes,
-        },
-    )
+    progress("lifecycle.warm", warm_fields(engine, seconds))
     failure: list[BaseException] = []
     # As the leader does at ready (Daemon.go_live): a full collection walking
     # the engine's start-up objects would stall a step the leader waits on.

@@ -201,6 +201,15 @@ def build_engine(
     return engine, model, page_bytes
 
 
+def warm_fields(engine: Engine, seconds: float) -> dict[str, Any]:
+    """``lifecycle.warm``'s fields, a leader's and a follower's alike."""
+    return {
+        "seconds": round(seconds, 2),
+        "programs": engine.compiled_shapes(),
+        "huge_page_bytes": engine.huge_page_bytes,
+    }
+
+
 def load(
     config: Config,
     progress: Callable[[str, dict[str, Any]], None],
@@ -228,14 +237,7 @@ def load(
             progress("lifecycle.warmup", {"done": done, "total": total, "compiling": what})
 
     seconds = engine.warm_up(warm)
-    progress(
-        "lifecycle.warm",
-        {
-            "seconds": round(seconds, 2),
-            "programs": engine.compiled_shapes(),
-            "huge_page_bytes": engine.huge_page_bytes,
-        },
-    )
+    progress("lifecycle.warm", warm_fields(engine, seconds))
     # On a scratch KV manager of its own: the calibration's prompts are nobody's.
     progress("lifecycle.calibrating", {"what": "the prefill and copy rates"})
     rates = scheduler.calibrate()
