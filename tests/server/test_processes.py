@@ -353,6 +353,9 @@ def test_kill_9_then_an_engine_failure_then_a_damaged_cache(
             poller = threading.Thread(target=poll_ready, args=(second, seen, stop_polling))
             poller.start()
             try:
+                # the failure must come after a ready answer was seen, or the
+                # "never ready again" check below has nothing to compare with
+                wait_until(lambda: any(status == 200 for status, _ in seen), "ready seen")
                 arm(second, "step:raise@3")
                 streams = [stream(second, f"{PROMPT} {i}", 200) for i in range(3)]
                 failed_at = second.wait_for("lifecycle.failed", timeout=60)
