@@ -12,9 +12,9 @@ temperature alone with greedy.
 
 Those logits are made up: normal noise with a few tokens far ahead, where
 the rejection sampler's candidates hold the mass. A real model's next-token
-logits mostly spread it over their bulk, and most temperature draws end in
-the exact pass; ``model_logits`` times the same three on the embedded
-model's own logits along a text (``--model-logits``)."""
+logits mostly spread it over their bulk, where more proposals are refused;
+``model_logits`` times the same three on the embedded model's own logits
+along a text (``--model-logits``)."""
 
 from __future__ import annotations
 

@@ -135,12 +135,16 @@ def sample(
     """
 
     def choose(logits: jax.Array) -> jax.Array:
-        maxima = block_maxima(logits)
-        greedy = first_argmax(logits, maxima)
-        return jax.lax.cond(
-            jnp.all(params.temperature == 0.0),
-            lambda: greedy,
-            lambda: jnp.where(params.temperature == 0.0, greedy, _draw(logits, maxima, params)),
+        greedy = params.temperature == 0.0
+        # A batch that draws every row never reads the logits for an argmax.
+        which = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.any(greedy), 1, 2))
+        return jax.lax.switch(
+            which,
+            [
+                lambda: first_argmax(logits),
+                lambda: jnp.where(greedy, first_argmax(logits), _draw(logits, params)),
+                lambda: _draw(logits, params),
+            ],
         )
 
     # Unadjusted logits are read where they are: a branch that returned them
@@ -172,21 +176,19 @@ BLOCK = 256  # vocabulary entries per block of ``block_maxima``
 def block_size(vocab: int) -> int:
     """Entries per block for a vocabulary of ``vocab``: ``BLOCK``, or the
     largest power of two below it that divides ``vocab`` (1 at worst)."""
-    size = BLOCK
-    while vocab % size:
-        size //= 2
-    return size
+    return _divisor(vocab, BLOCK)
 
 
-def block_maxima(values: jax.Array) -> jax.Array:
-    """The largest value of each block of ``block_size(V)`` consecutive
-    vocabulary entries of ``values [S, V]``: ``[S, V / B]``, one read of the
-    logits. Greedy choice and temperature draws both start from it, and
-    never read the whole vocabulary again. The barrier keeps it computed
-    once: XLA:CPU otherwise fuses the reduction into each consumer and reads
-    the logits again per element (a 30 ms argmax at batch 32)."""
+def block_maxima(values: jax.Array, size: int | None = None) -> jax.Array:
+    """The largest value of each block of ``size`` (default
+    ``block_size(V)``) consecutive vocabulary entries of ``values [S, V]``:
+    ``[S, V / size]``, one read of the logits. Greedy choice and temperature
+    draws both start from such maxima, and never read the whole vocabulary
+    again. The barrier keeps it computed once: XLA:CPU otherwise fuses the
+    reduction into each consumer and reads the logits again per element (a
+    30 ms argmax at batch 32)."""
     seqs, vocab = values.shape
-    size = block_size(vocab)
+    size = size or block_size(vocab)
     maxima = jnp.max(values.reshape(seqs, vocab // size, size), axis=2)
     return jax.lax.optimization_barrier(maxima)
 
@@ -383,9 +385,8 @@ def _cut(scaled: jax.Array, floor: jax.Array) -> jax.Array:
     return jnp.where(scaled < floor[:, None], -jnp.inf, scaled)
 
 
-def _draw(logits: jax.Array, maxima: jax.Array, params: SamplingBatch) -> jax.Array:
-    """Sampled tokens [S] from logits [S, V] (after
-    ``adjusted_logits``) and their ``block_maxima``."""
+def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
+    """Sampled tokens [S] from logits [S, V] (after ``adjusted_logits``)."""
     # A greedy row's draw is thrown away: it must not ask for a truncation.
     truncating = ((params.top_k > 0) | (params.top_p < 1.0)) & (params.temperature > 0)
 
@@ -412,7 +413,6 @@ def _draw(logits: jax.Array, maxima: jax.Array, params: SamplingBatch) -> jax.Ar
         jnp.any(drawing),
         lambda: draw_by_blocks(
             logits,
-            maxima,
             params.temperature,
             params.min_p,
             params.seeds,
@@ -425,16 +425,25 @@ def _draw(logits: jax.Array, maxima: jax.Array, params: SamplingBatch) -> jax.Ar
     return jnp.where(truncating, cut, free)
 
 
-CANDIDATE_BLOCKS = 8  # blocks per row whose exact mass the proposal holds
-MAX_PROPOSALS = 16  # proposals per row before the exact pass
-LIKELY = 0.5  # a row proposes again only if at least this share of its proposal is exact
+DRAW_BLOCK = 32  # vocabulary entries per block a temperature draw bounds
+BLOCKS_PER_GROUP = 8  # blocks per group, the unit a proposal first chooses
+CANDIDATE_GROUPS = 8  # groups per row whose blocks' exact masses the proposal holds
+PROPOSALS = 128  # proposals per row, made at once, before the exact pass
 RUNS = 16  # runs of consecutive blocks the exact pass first weighs, at most
 DRAW_ROWS = 8  # rows whose every block the exact pass weighs in one reduction
+SEARCH_RUN = 32  # entries of a running sum one comparison of ``_search`` covers
+
+
+def _divisor(count: int, size: int) -> int:
+    """``size`` (a power of two), or the largest power of two below it
+    that divides ``count`` (1 at worst)."""
+    while count % size:
+        size //= 2
+    return size
 
 
 def draw_by_blocks(
     logits: jax.Array,
-    maxima: jax.Array,
     temperature: jax.Array,
     min_p: jax.Array,
     seeds: jax.Array,
@@ -444,88 +453,96 @@ def draw_by_blocks(
     """Tokens [S] drawn exactly from softmax(logits / temperature) (after
     min_p) for the ``rows`` asked (others: 0).
 
-    First, rejection sampling over blocks, which reads no more of the
-    vocabulary than ``block_maxima`` already did. A block's mass is at most
-    its size times the weight of its largest entry, a bound its maximum
-    gives for free; the ``CANDIDATE_BLOCKS`` blocks with the largest maxima
-    get their exact mass instead. A block is proposed in proportion to that
-    (bound or exact) mass; its exact mass is computed, the block kept with
-    probability exact / bound (always, for a candidate), and a token drawn
-    within it by its weight. So every token comes out with probability
-    exactly its weight over the total, for a few blocks' worth of
-    exponentials. That serves a row whose candidates hold most of its
-    proposal, where a few tokens hold the mass.
+    Rejection sampling over blocks of ``DRAW_BLOCK`` entries, from one read
+    of the logits: their blocks' maxima. A block's mass is at most its size
+    times the weight of its largest entry, so a block proposed in
+    proportion to that bound, kept with probability mass / bound, then an
+    entry drawn within it by its weight, gives every token exactly its
+    weight over the total. A block of 32 is kept at least one time in 32
+    whatever its logits, and about one time in five on the 270M's at
+    temperature 1; blocks of 256, bounded by their maxima, were kept one
+    time in 170 there, since the bulk of the vocabulary holds a real
+    model's mass. The ``CANDIDATE_GROUPS`` groups of ``BLOCKS_PER_GROUP``
+    blocks with the largest maxima, where a peaked row's mass lies, offer
+    their blocks' exact masses instead, always kept.
 
-    A real model's logits at temperature 1 mostly do not: their bulk holds
-    the mass and a block's maximum bounds it loosely (the 270M's, 32 rows
-    of a README: a proposal kept 0.6% of the time from bounds alone). So a
-    row refused at its first proposal proposes again, up to
-    ``MAX_PROPOSALS``, only if its candidates hold at least ``LIKELY`` of its
-    proposal; any other ends in the exact pass (``exact_draw``), which
-    weighs every entry once. Each row's random numbers come from its
-    seed, position and proposal's number (``uniforms``): what it draws
-    depends on its logits and those alone."""
+    ``PROPOSALS`` proposals per row are made at once, each a group by the
+    groups' bounds, a block of it by theirs, then the exponentials of that
+    block alone; the row takes its first kept one. A row with none kept
+    draws from every entry's exact weight (``exact_draw``): on the 270M's
+    logits, about one batch of 32 rows in 500 at temperature 1, one in 200
+    at 1.5. Each row's random numbers come from its seed and position
+    (``uniforms``): what it draws depends on its logits and those alone."""
     seqs, vocab = logits.shape
-    blocks = maxima.shape[1]
-    size = vocab // blocks
+    size = _divisor(vocab, DRAW_BLOCK)
+    maxima = block_maxima(logits, size)  # [S, blocks]
+    blocks = vocab // size
+    per_group = _divisor(blocks, BLOCKS_PER_GROUP)
+    groups = blocks // per_group
+    group_maxima = jnp.max(maxima.reshape(seqs, groups, per_group), axis=2)
     inverse = 1.0 / jnp.maximum(temperature, MIN_TEMPERATURE)  # [S]
-    best = jnp.max(maxima, axis=1)  # [S]
+    best = jnp.max(group_maxima, axis=1)  # [S]
     # min_p drops what is less likely than its share of the best token.
     floor = _min_p_floor(jnp.zeros_like(min_p), min_p)  # scaled relative to the best
-
     scale = best, inverse, floor
-    bound = size * _weights(maxima, scale)  # [S, blocks]
-    candidates = jax.lax.top_k(maxima, min(CANDIDATE_BLOCKS, blocks))[1]  # [S, K]
-    exact = _weights(_block_values(logits, candidates, size), scale).sum(axis=-1)  # [S, K]
+
+    count = min(CANDIDATE_GROUPS, groups)
+    candidates = jax.lax.top_k(group_maxima, count)[1]  # [S, C]
+    exact = _weights(_block_values(logits, candidates, size * per_group), scale)
+    exact = exact.reshape(seqs, count, per_group, size).sum(axis=3)  # [S, C, blocks]
+    held = (candidates[..., None] * per_group + jnp.arange(per_group)).reshape(seqs, -1)
     row = jnp.arange(seqs)[:, None]
-    proposal = bound.at[row, candidates].set(exact)
-    is_candidate = jnp.zeros((seqs, blocks), jnp.bool_).at[row, candidates].set(True)
-    cumulative = running_sum(proposal)
-    likely = exact.sum(axis=1) >= LIKELY * cumulative[:, -1]
+    bound = (size * _weights(maxima, scale)).at[row, held].set(exact.reshape(seqs, -1))
+    # Summed apart: XLA:CPU fused the sum into the running sum's product, 0.5 ms.
+    group_bound = jax.lax.optimization_barrier(bound.reshape(seqs, groups, per_group).sum(axis=2))
+    by_group = running_sum(group_bound)  # [S, groups]
 
-    def propose(number: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(token [S], accepted [S]) of one proposal per row."""
-        draws = uniforms(seeds, positions, number, 3)  # [S, 3]
-        at = jnp.arange(seqs)
-        target = draws[:, 0] * cumulative[:, -1]
-        block = jnp.minimum(jnp.sum(cumulative <= target[:, None], axis=1), blocks - 1)
-        weight = _weights(_block_values(logits, block, size), scale)  # [S, B]
-        mass = weight.sum(axis=1)
-        offered = proposal[at, block]
-        kept = is_candidate[at, block] | (draws[:, 1] * offered < mass)
-        point = draws[:, 2] * mass
-        entry = jnp.minimum(jnp.sum(running_sum(weight) <= point[:, None], axis=1), size - 1)
-        # Rounding may land on a block or an entry of no weight: proposed again.
-        kept &= (offered > 0) & (weight[at, entry] > 0)
-        return block * size + entry, kept
-
-    tokens, done = propose(jnp.int32(0))
-    done |= ~rows
-
-    def unfinished(state: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        number, _, done = state
-        return (number < MAX_PROPOSALS) & jnp.any(~done & likely)
-
-    def more(
-        state: tuple[jax.Array, jax.Array, jax.Array],
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        number, tokens, done = state
-        token, kept = propose(number)
-        kept &= likely  # the others go to the exact pass, whatever their batch does
-        tokens = jnp.where(done | ~kept, tokens, token)
-        return number + 1, tokens, done | kept
-
-    def rejected() -> jax.Array:  # rows whose first proposal was refused
-        _, drawn, ended = jax.lax.while_loop(unfinished, more, (jnp.int32(1), tokens, done))
-        return jax.lax.cond(
-            jnp.all(ended), lambda: drawn, lambda: jnp.where(ended, drawn, exact_pass())
-        )
+    lanes = 4 * PROPOSALS
+    draws = uniforms(seeds, positions, jnp.int32(0), lanes + 3)
+    proposed = draws[:, :lanes].reshape(seqs, PROPOSALS, 4)
+    group = _search(by_group, proposed[..., 0] * by_group[:, -1:])  # [S, P]
+    offers = _block_values(bound, group, per_group)  # [S, P, blocks of the group]
+    cumulative = running_sum(offers.reshape(-1, per_group)).reshape(offers.shape)
+    target = proposed[..., 1] * cumulative[..., -1]
+    within = jnp.minimum(jnp.sum(cumulative <= target[..., None], axis=2), per_group - 1)
+    block = group * per_group + within
+    offered = jnp.take_along_axis(offers, within[..., None], axis=2)[..., 0]
+    weight = _weights(_block_values(logits, block, size), scale)  # [S, P, size]
+    cumulative = running_sum(weight.reshape(-1, size)).reshape(weight.shape)
+    mass = cumulative[..., -1]
+    is_exact = jnp.any(group[..., None] == candidates[:, None, :], axis=2)  # [S, P]
+    kept = is_exact | (proposed[..., 2] * offered < mass)
+    target = proposed[..., 3] * mass
+    entry = jnp.minimum(jnp.sum(cumulative <= target[..., None], axis=2), size - 1)
+    # Rounding may land on a block or an entry of no weight: that proposal is refused.
+    chosen = jnp.take_along_axis(weight, entry[..., None], axis=2)[..., 0]
+    kept &= (offered > 0) & (chosen > 0)
+    first = _first_where(kept, PROPOSALS)  # [S]
+    taken = jnp.minimum(first, PROPOSALS - 1)[:, None]
+    tokens = jnp.take_along_axis(block * size + entry, taken, axis=1)[:, 0]
+    done = (first < PROPOSALS) | ~rows
 
     def exact_pass() -> jax.Array:
-        draws = uniforms(seeds, positions, jnp.int32(MAX_PROPOSALS), 3)
-        return exact_draw(logits, scale, size, draws)
+        drawn = exact_draw(logits, scale, size * per_group, draws[:, lanes:])
+        return jnp.where(done, tokens, drawn)
 
-    return jax.lax.cond(jnp.all(done), lambda: tokens, rejected)
+    return jax.lax.cond(jnp.all(done), lambda: tokens, exact_pass)
+
+
+def _search(cumulative: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per row of a running sum ``cumulative [S, N]``, how many of its entries
+    are at most each of ``targets [S, P]`` (clipped to N - 1): the index each
+    target falls on. The ends of runs of ``SEARCH_RUN`` entries first, then
+    the entries of the run found, so a target is compared with about
+    2 x sqrt(N) entries, not N."""
+    seqs, n = cumulative.shape
+    run = _divisor(n, SEARCH_RUN)
+    ends = cumulative[:, run - 1 :: run]  # [S, N / run]
+    before = jnp.sum(ends[:, None, :] <= targets[..., None], axis=2)  # whole runs at most it
+    start = jnp.minimum(before, n // run - 1)
+    inside = _block_values(cumulative, start, run)  # [S, P, run]
+    index = start * run + jnp.sum(inside <= targets[..., None], axis=2)
+    return jnp.minimum(index, n - 1)
 
 
 def _weights(values: jax.Array, scale: tuple[jax.Array, ...]) -> jax.Array:
@@ -802,11 +819,9 @@ def _beyond_candidates(
         sub = _cut(logits[safe] / temperature[safe][:, None], floor[safe])  # [G, V]
         keep = exact_keep(sub, params.top_k[safe], params.top_p[safe])
         # Counter-based uniforms (a few integer operations a number), not
-        # threefry's: 2.4 ms against 1.1 for 4 rows of 262,144. Their number
-        # is past every one ``draw_by_blocks`` uses.
-        draws = uniforms(
-            params.seeds[safe], params.positions[safe], jnp.int32(MAX_PROPOSALS + 1), vocab
-        )
+        # threefry's: 2.4 ms against 1.1 for 4 rows of 262,144. (A row cut
+        # here never draws by blocks, whose numbers are number 0's.)
+        draws = uniforms(params.seeds[safe], params.positions[safe], jnp.int32(1), vocab)
         gumbel = -jnp.log(-jnp.log(draws))
         drawn = jnp.argmax(jnp.where(keep, sub + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
         return out.at[rows].set(drawn, mode="drop")

@@ -16,7 +16,7 @@ import pytest
 
 from kvd.engine.sampling import (
     BEYOND_ROWS,
-    CANDIDATE_BLOCKS,
+    CANDIDATE_GROUPS,
     CANDIDATES,
     DRAW_ROWS,
     MAX_LOGIT_BIAS,
@@ -530,7 +530,7 @@ def _draw_rows(kind: str) -> np.ndarray:
         row = rng.normal(0, 1, DRAW_VOCAB)
     else:  # "spiky": more heavy blocks than candidates
         row = rng.normal(0, 0.5, DRAW_VOCAB)
-        row[rng.choice(DRAW_VOCAB, 4 * CANDIDATE_BLOCKS, replace=False)] += 6
+        row[rng.choice(DRAW_VOCAB, 4 * CANDIDATE_GROUPS, replace=False)] += 6
     return row.astype(np.float32)
 
 
@@ -595,7 +595,7 @@ def test_draws_refused_too_often_end_on_exact_masses(
     distribution stays the softmax's, with min_p's cut."""
     import kvd.engine.sampling as sampling
 
-    monkeypatch.setattr(sampling, "MAX_PROPOSALS", 1)
+    monkeypatch.setattr(sampling, "PROPOSALS", 1)
     row = _draw_rows("flat")
     probs = np.exp(row.astype(np.float64) - row.max())
     probs[probs < 0.05] = 0.0
