@@ -458,13 +458,13 @@ def draw_by_blocks(
     times the weight of its largest entry, so a block proposed in
     proportion to that bound, kept with probability mass / bound, then an
     entry drawn within it by its weight, gives every token exactly its
-    weight over the total. A block of 32 is kept at least one time in 32
-    whatever its logits, and about one time in five on the 270M's at
-    temperature 1; blocks of 256, bounded by their maxima, were kept one
-    time in 170 there, since the bulk of the vocabulary holds a real
-    model's mass. The ``CANDIDATE_GROUPS`` groups of ``BLOCKS_PER_GROUP``
-    blocks with the largest maxima, where a peaked row's mass lies, offer
-    their blocks' exact masses instead, always kept.
+    weight over the total. The ``CANDIDATE_GROUPS`` groups of
+    ``BLOCKS_PER_GROUP`` blocks with the largest maxima, where a peaked
+    row's mass lies, offer their blocks' exact masses instead, always kept.
+    A block of 32 is kept at least one time in 32 whatever its logits, and
+    about one time in five on the 270M's at temperature 1; blocks of 256,
+    the 8 best exact, were kept one time in 25 there, since the bulk of the
+    vocabulary holds a real model's mass.
 
     ``PROPOSALS`` proposals per row are made at once, each a group by the
     groups' bounds, a block of it by theirs, then the exponentials of that
