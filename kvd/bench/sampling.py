@@ -73,8 +73,12 @@ def run_sampling_bench(
     import jax.numpy as jnp
     import numpy as np
 
+    from kvd.engine.heap import keep_freed_memory
     from kvd.engine.sampling import MAX_LOGIT_BIAS, SamplingBatch, sample, sampling_batch
 
+    # As a ready daemon does (kvd/engine/heap.py): a call's 32 MiB temporaries
+    # are not mapped afresh, page by page, each call.
+    keep_freed_memory()
     # First: a batch the text cannot fill fails before the long part.
     model = _model_figures(batch, repeats) if model_logits else None
     rng = np.random.default_rng(0)

@@ -126,33 +126,20 @@ def sample(
     generation is the scheduler's decision, not made here.
 
     Branches that no sequence of the batch needs (adjustments no row asks
-    for, random draws when all are greedy, free draws when all truncate,
-    logprobs no row asked for) are skipped at run time with ``lax.cond``:
-    one compiled program, no wasted work. The choice is compiled twice, on
-    adjusted and on unadjusted logits, so that a batch with no adjustment
-    reads the logits in place (a branch passing them through would copy
-    them).
+    for, an argmax when every row draws, random draws when all are greedy,
+    free draws when all truncate, logprobs no row asked for) are skipped at
+    run time with ``lax.cond``: one compiled program, no wasted work. The
+    choice is compiled on unadjusted logits, so that a batch with no
+    adjustment reads the logits in place (a branch passing them through
+    would copy them), and on adjusted ones (``_choose_adjusted``).
     """
-
-    def choose(logits: jax.Array) -> jax.Array:
-        greedy = params.temperature == 0.0
-        # A batch that draws every row never reads the logits for an argmax.
-        which = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.any(greedy), 1, 2))
-        return jax.lax.switch(
-            which,
-            [
-                lambda: first_argmax(logits),
-                lambda: jnp.where(greedy, first_argmax(logits), _draw(logits, params)),
-                lambda: _draw(logits, params),
-            ],
-        )
 
     # Unadjusted logits are read where they are: a branch that returned them
     # unchanged would copy them (32 MiB at batch 32, more than the choice).
     tokens = jax.lax.cond(
         adjusting(params),
-        lambda: choose(adjusted_logits(logits, params, end_ids)),
-        lambda: choose(logits),
+        lambda: _choose_adjusted(logits, params, end_ids),
+        lambda: _choose(logits, params),
     )
     top = min(MAX_TOP_LOGPROBS, logits.shape[1])
 
@@ -168,6 +155,58 @@ def sample(
     logprobs = _for_rows_asking(params.want_logprobs, logits, chosen_logprobs)
     top_ids, top_logprobs = _for_rows_asking(params.top_count > 0, logits, alternatives)
     return tokens, logprobs, top_ids, top_logprobs
+
+
+def _choose(logits: jax.Array, params: SamplingBatch) -> jax.Array:
+    """The token [S] of each row of ``logits`` (already adjusted)."""
+    greedy = params.temperature == 0.0
+    # A batch that draws every row never reads the logits for an argmax.
+    which = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.any(greedy), 1, 2))
+    return jax.lax.switch(
+        which,
+        [
+            lambda: first_argmax(logits),
+            lambda: jnp.where(greedy, first_argmax(logits), _draw(logits, params)),
+            lambda: _draw(logits, params),
+        ],
+    )
+
+
+ADJUSTED_ROWS = (8,)  # rows adjusted apart from the batch when only a few ask
+
+
+def _choose_adjusted(
+    logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...]
+) -> jax.Array:
+    """``_choose`` over ``adjusted_logits``. Adjusting changes the logits in
+    place, and the program's logits are also read as they are (the
+    logprobs, the batch's other rows), so XLA:CPU copies them first (32 rows
+    of a 262,144-token vocabulary: 1.5 ms, on one thread, and more where
+    the copy's pages are new). When at most ``ADJUSTED_ROWS[-1]`` rows are
+    adjusted, those rows are gathered apart (in the smallest width of
+    ``ADJUSTED_ROWS`` that holds them), adjusted and chosen from, and the
+    batch's choice reads the rest in place; a row chooses the same token
+    either way. Each width is one more choice to compile (about 2.5 s at
+    32 rows), so there are few."""
+    seqs = logits.shape[0]
+    rows = adjusted_rows(params)
+    widths = [width for width in ADJUSTED_ROWS if width < seqs]
+
+    def apart(width: int) -> Any:
+        def run() -> jax.Array:
+            (ids,) = jnp.nonzero(rows, size=width, fill_value=seqs)  # padding: dropped
+            at = jnp.minimum(ids, seqs - 1)
+            own = jax.tree.map(lambda field: field[at], params)
+            picked = _choose(adjusted_logits(logits[at], own, end_ids), own)
+            return _choose(logits, params).at[ids].set(picked, mode="drop")
+
+        return run
+
+    def every() -> jax.Array:
+        return _choose(adjusted_logits(logits, params, end_ids), params)
+
+    which = jnp.searchsorted(jnp.asarray(widths + [seqs]), jnp.sum(rows))
+    return jax.lax.switch(which, [apart(width) for width in widths] + [every])
 
 
 BLOCK = 256  # vocabulary entries per block of ``block_maxima``
@@ -276,10 +315,18 @@ def _penalized(params: SamplingBatch) -> jax.Array:
 
 def adjusting(params: SamplingBatch) -> jax.Array:
     """Whether some row of the batch has its logits adjusted (``adjusted_logits``)."""
+    return jnp.any(adjusted_rows(params))
+
+
+def adjusted_rows(params: SamplingBatch) -> jax.Array:
+    """Which rows [S] have their logits adjusted (``adjusted_logits``): a
+    logit bias, end tokens masked short of ``min_tokens``, a penalty, a
+    grammar's mask."""
     early = params.positions < params.min_end
-    penalized = _penalized(params)
-    grammar = jnp.array(False) if params.allowed is None else jnp.any(params.allowed != -1)
-    return jnp.any(params.bias_ids >= 0) | jnp.any(early) | jnp.any(penalized) | grammar
+    rows = jnp.any(params.bias_ids >= 0, axis=1) | early | _penalized(params)
+    if params.allowed is not None:
+        rows |= jnp.any(params.allowed != -1, axis=1)
+    return rows
 
 
 def adjusted_logits(

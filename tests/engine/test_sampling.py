@@ -191,6 +191,51 @@ def test_logit_bias_moves_greedy_and_sampled_choices_as_numpy_does() -> None:
     )
 
 
+@pytest.mark.parametrize("adjusted", [1, 5])
+def test_a_few_adjusted_rows_choose_apart_as_the_whole_batch_would(adjusted: int) -> None:
+    """With a few rows adjusted, those rows are gathered, adjusted and chosen
+    from apart; with every row adjusted (here by biases of zero, which
+    change nothing) the batch's logits are adjusted whole. Greedy and drawn
+    rows, cut or not, choose the same tokens both ways, and an adjusted row
+    its adjustment's token."""
+    rng = np.random.default_rng(31)
+    rows = 12  # more than ADJUSTED_ROWS[-1]: the whole batch is the other path
+    logits = np.stack([logits_for(("peaked", "flat")[r % 2], rng) for r in range(rows)])
+    at = rng.choice(rows, adjusted, replace=False)
+    history = rng.integers(0, VOCAB, (rows, 64)).astype(np.int32)
+    ids = np.full((rows, MAX_LOGIT_BIAS), -1, np.int32)
+    biases = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+    ids[at, 0], biases[at, 0] = rng.integers(0, VOCAB, adjusted), 40.0
+    repetition = np.ones(rows, np.float32)
+    repetition[at[0]] = 1.5
+
+    def batch(every: bool) -> SamplingBatch:
+        table = ids.copy()
+        if every:
+            table[:, 1] = 0  # a bias of zero: the row is adjusted, its logits unchanged
+        return sampling_batch(
+            rows,
+            temperature=jnp.asarray([0.0, 1.0, 0.7, 1.0] * 3, jnp.float32),
+            top_k=jnp.asarray([0, 0, 0, 5] * 3, jnp.int32),
+            top_p=jnp.asarray([1.0, 1.0, 0.9, 1.0] * 3, jnp.float32),
+            seeds=jnp.arange(rows, dtype=jnp.uint32) + 7,
+            positions=jnp.full(rows, 64, jnp.int32),
+            bias_ids=jnp.asarray(table),
+            biases=jnp.asarray(biases),
+            history=jnp.asarray(history),
+            prompt_end=jnp.full(rows, 32, jnp.int32),
+            repetition=jnp.asarray(repetition),
+        )
+
+    step = jax.jit(sample)
+    apart = np.asarray(step(jnp.asarray(logits, jnp.float32), batch(False))[0])
+    whole = np.asarray(step(jnp.asarray(logits, jnp.float32), batch(True))[0])
+    np.testing.assert_array_equal(apart, whole)
+    # Each adjusted row's bias outweighs the rest of its logits, its penalty
+    # included: that token, greedy or drawn, cut or not.
+    np.testing.assert_array_equal(apart[at], ids[at, 0])
+
+
 def test_min_tokens_masks_end_tokens_and_stop_ids_until_its_position() -> None:
     """A row short of its min_end never samples an end token or one of its stop
     ids, greedy or drawn, however likely; from min_end on it may."""
