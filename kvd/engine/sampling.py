@@ -173,6 +173,7 @@ def _choose(logits: jax.Array, params: SamplingBatch) -> jax.Array:
 
 
 ADJUSTED_ROWS = (8,)  # rows adjusted apart from the batch when only a few ask
+APART_BYTES = 8 << 20  # logits of a batch worth adjusting apart (below: copied)
 
 
 def _choose_adjusted(
@@ -187,10 +188,12 @@ def _choose_adjusted(
     ``ADJUSTED_ROWS`` that holds them), adjusted and chosen from, and the
     batch's choice reads the rest in place; a row chooses the same token
     either way. Each width is one more choice to compile (about 2.5 s at
-    32 rows), so there are few."""
+    32 rows), so there are few, and none where the batch's logits are
+    under ``APART_BYTES`` (a copy of them costs less than a millisecond)."""
     seqs = logits.shape[0]
     rows = adjusted_rows(params)
-    widths = [width for width in ADJUSTED_ROWS if width < seqs]
+    worth = logits.size * logits.dtype.itemsize >= APART_BYTES
+    widths = [width for width in ADJUSTED_ROWS if width < seqs] if worth else []
 
     def apart(width: int) -> Any:
         def run() -> jax.Array:

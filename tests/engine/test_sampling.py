@@ -192,7 +192,9 @@ def test_logit_bias_moves_greedy_and_sampled_choices_as_numpy_does() -> None:
 
 
 @pytest.mark.parametrize("adjusted", [1, 5])
-def test_a_few_adjusted_rows_choose_apart_as_the_whole_batch_would(adjusted: int) -> None:
+def test_a_few_adjusted_rows_choose_apart_as_the_whole_batch_would(
+    adjusted: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With a few rows adjusted, those rows are gathered, adjusted and chosen
     from apart; with every row adjusted (here by biases of zero, which
     change nothing) the batch's logits are adjusted whole. Greedy and drawn
@@ -227,7 +229,12 @@ def test_a_few_adjusted_rows_choose_apart_as_the_whole_batch_would(adjusted: int
             repetition=jnp.asarray(repetition),
         )
 
-    step = jax.jit(sample)
+    import kvd.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "APART_BYTES", 0)  # these logits are small
+    # A function of its own: a trace of ``sample`` made with the constant
+    # patched must not serve other tests.
+    step = jax.jit(lambda logits, batch: sample(logits, batch))
     apart = np.asarray(step(jnp.asarray(logits, jnp.float32), batch(False))[0])
     whole = np.asarray(step(jnp.asarray(logits, jnp.float32), batch(True))[0])
     np.testing.assert_array_equal(apart, whole)
