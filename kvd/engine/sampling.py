@@ -136,9 +136,10 @@ def sample(
 
     # Unadjusted logits are read where they are: a branch that returned them
     # unchanged would copy them (32 MiB at batch 32, more than the choice).
+    adjusted = adjusted_rows(params)
     tokens = jax.lax.cond(
-        adjusting(params),
-        lambda: _choose_adjusted(logits, params, end_ids),
+        jnp.any(adjusted),
+        lambda: _choose_adjusted(logits, params, end_ids, adjusted),
         lambda: _choose(logits, params),
     )
     top = min(MAX_TOP_LOGPROBS, logits.shape[1])
@@ -177,21 +178,21 @@ APART_BYTES = 8 << 20  # logits of a batch worth adjusting apart (below: copied)
 
 
 def _choose_adjusted(
-    logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...]
+    logits: jax.Array, params: SamplingBatch, end_ids: tuple[int, ...], rows: jax.Array
 ) -> jax.Array:
-    """``_choose`` over ``adjusted_logits``. Adjusting changes the logits in
-    place, and the program's logits are also read as they are (the
-    logprobs, the batch's other rows), so XLA:CPU copies them first (32 rows
-    of a 262,144-token vocabulary: 1.5 ms, on one thread, and more where
-    the copy's pages are new). When at most ``ADJUSTED_ROWS[-1]`` rows are
-    adjusted, those rows are gathered apart (in the smallest width of
-    ``ADJUSTED_ROWS`` that holds them), adjusted and chosen from, and the
-    batch's choice reads the rest in place; a row chooses the same token
-    either way. Each width is one more choice to compile (about 2.5 s at
-    32 rows), so there are few, and none where the batch's logits are
-    under ``APART_BYTES`` (a copy of them costs less than a millisecond)."""
+    """``_choose`` over ``adjusted_logits`` (``rows``: ``adjusted_rows``).
+    Adjusting changes the logits in place, and the program's logits are
+    also read as they are (the logprobs, the batch's other rows), so
+    XLA:CPU copies them first (32 rows of a 262,144-token vocabulary: 1.5
+    ms, on one thread, and more where the copy's pages are new). When at
+    most ``ADJUSTED_ROWS[-1]`` rows are adjusted, those rows are gathered
+    apart (in the smallest width of ``ADJUSTED_ROWS`` that holds them),
+    adjusted and chosen from, and the batch's choice reads the rest in
+    place; a row chooses the same token either way. Each width is one more
+    choice to compile (about 2.5 s at 32 rows), so there are few, and none
+    where the batch's logits are under ``APART_BYTES`` (a copy of them
+    costs less than a millisecond)."""
     seqs = logits.shape[0]
-    rows = adjusted_rows(params)
     worth = logits.size * logits.dtype.itemsize >= APART_BYTES
     widths = [width for width in ADJUSTED_ROWS if width < seqs] if worth else []
 
@@ -314,11 +315,6 @@ def _for_rows_asking(asking: jax.Array, logits: jax.Array, compute: Any) -> Any:
 def _penalized(params: SamplingBatch) -> jax.Array:
     """Which rows [S] have a repetition, frequency or presence penalty."""
     return (params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)
-
-
-def adjusting(params: SamplingBatch) -> jax.Array:
-    """Whether some row of the batch has its logits adjusted (``adjusted_logits``)."""
-    return jnp.any(adjusted_rows(params))
 
 
 def adjusted_rows(params: SamplingBatch) -> jax.Array:
@@ -554,7 +550,7 @@ def draw_by_blocks(
     offers = _block_values(bound, group, per_group)  # [S, P, blocks of the group]
     cumulative = running_sum(offers.reshape(-1, per_group)).reshape(offers.shape)
     target = proposed[..., 1] * cumulative[..., -1]
-    within = jnp.minimum(jnp.sum(cumulative <= target[..., None], axis=2), per_group - 1)
+    within = _falls_on(cumulative, target)
     block = group * per_group + within
     offered = jnp.take_along_axis(offers, within[..., None], axis=2)[..., 0]
     weight = _weights(_block_values(logits, block, size), scale)  # [S, P, size]
@@ -563,7 +559,7 @@ def draw_by_blocks(
     is_exact = jnp.any(group[..., None] == candidates[:, None, :], axis=2)  # [S, P]
     kept = is_exact | (proposed[..., 2] * offered < mass)
     target = proposed[..., 3] * mass
-    entry = jnp.minimum(jnp.sum(cumulative <= target[..., None], axis=2), size - 1)
+    entry = _falls_on(cumulative, target)
     # Rounding may land on a block or an entry of no weight: that proposal is refused.
     chosen = jnp.take_along_axis(weight, entry[..., None], axis=2)[..., 0]
     kept &= (offered > 0) & (chosen > 0)
@@ -577,6 +573,13 @@ def draw_by_blocks(
         return jnp.where(done, tokens, drawn)
 
     return jax.lax.cond(jnp.all(done), lambda: tokens, exact_pass)
+
+
+def _falls_on(cumulative: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per running sum ``cumulative [..., N]``, the index its ``targets [...]``
+    falls on: how many entries are at most it, clipped to N - 1."""
+    below = jnp.sum(cumulative <= targets[..., None], axis=-1)
+    return jnp.minimum(below, cumulative.shape[-1] - 1)
 
 
 def _search(cumulative: jax.Array, targets: jax.Array) -> jax.Array:
