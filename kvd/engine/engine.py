@@ -543,7 +543,9 @@ class Engine:
         self.decode_tokens = 0
         self.decode_seconds = 0.0
         self._warm = False
-        self.huge_page_bytes = 0  # the weights and pool on huge pages (hugepages.py)
+        self.huge_page_bytes = 0  # the weights on huge pages (hugepages.py)
+        # The pool's, collapsed while the engine serves (None before warm-up).
+        self.pool_huge_pages: hugepages.Collapser | None = None
         self._rows = self._new_rows()
         self._minus_ones: dict[tuple[int, ...], Any] = {}  # by shape (``_constant``)
         self.mask_words = mask_words(self.vocab_size)
@@ -810,10 +812,17 @@ class Engine:
         # Every step reads the weights (and the pool) through the TLB: on
         # huge pages a batch-1 token took 13.6-14.1 ms against 14.6-15.4.
         self.huge_page_bytes = hugepages.back_with_huge_pages(
-            [*jax.tree_util.tree_leaves(self.params), self.pool]
+            jax.tree_util.tree_leaves(self.params)
         )
+        self.pool_huge_pages = hugepages.Collapser([self.pool], self._pool_collapsed)
         self._warm = True
         return time.perf_counter() - start
+
+    @staticmethod
+    def _pool_collapsed(collapsed: int, seconds: float) -> None:
+        structlog.get_logger("kvd.engine").info(
+            "engine.pool_huge_pages", bytes=collapsed, seconds=round(seconds, 2)
+        )
 
     def _first_runs(self, shapes: list[tuple[int, int]]) -> None:
         """Run every decoder program once: a program's first run pays for its

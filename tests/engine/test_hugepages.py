@@ -1,5 +1,5 @@
-"""The weights and the pool go on huge pages after warm-up (hugepages.py):
-contents unchanged, whatever the system offers."""
+"""The weights go on huge pages at warm-up, the pool in a thread after it
+(hugepages.py): contents unchanged, whatever the system offers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvd.engine.engine import Engine, EngineConfig  # noqa: E402
-from kvd.engine.hugepages import HUGE_PAGE, back_with_huge_pages, buffer_ranges  # noqa: E402
+from kvd.engine.hugepages import (  # noqa: E402
+    HUGE_PAGE,
+    Collapser,
+    back_with_huge_pages,
+    buffer_ranges,
+)
 from kvd.engine.loader import random_model  # noqa: E402
 from kvd.oneshot.batch import BatchGenerator  # noqa: E402
 from kvd.sched.sampling_params import SamplingParams  # noqa: E402
@@ -34,6 +39,19 @@ def test_a_large_array_keeps_its_contents() -> None:
     np.testing.assert_array_equal(np.asarray(array), values)
 
 
+def test_a_collapse_in_its_thread_reports_once_and_keeps_the_contents() -> None:
+    values = np.random.default_rng(2).normal(size=4 * HUGE_PAGE).astype(np.float32)
+    array = jnp.asarray(values)
+    reports: list[tuple[int, float]] = []
+    collapser = Collapser([array], lambda collapsed, seconds: reports.append((collapsed, seconds)))
+    np.testing.assert_array_equal(np.asarray(array), values)  # read while it runs
+    assert collapser.join(120)
+    ((collapsed, seconds),) = reports
+    assert collapsed == collapser.collapsed
+    assert 0 <= collapsed <= array.nbytes and seconds >= 0
+    np.testing.assert_array_equal(np.asarray(array), values)
+
+
 def test_an_engine_decodes_the_same_after_warm_up_moves_it() -> None:
     model = random_model(vocab_size=96, sliding_window=12, seed=9)
     config = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16)
@@ -43,5 +61,8 @@ def test_an_engine_decodes_the_same_after_warm_up_moves_it() -> None:
     warm = Engine(model, config)
     warm.warm_up()
     assert warm.huge_page_bytes >= 0
+    assert warm.pool_huge_pages is not None
+    during = BatchGenerator(warm).generate([[1, 4, 9, 16]], greedy)[0].completion_ids
+    assert warm.pool_huge_pages.join(120)
     after = BatchGenerator(warm).generate([[1, 4, 9, 16]], greedy)[0].completion_ids
-    assert after == before
+    assert during == after == before
