@@ -10,8 +10,8 @@ back only memory that asks for them, and XLA:CPU's buffers do not ask.
 ranges holding the given arrays (neighbouring buffers merged first, since
 most of a layer's matrices are smaller than a huge page), and collapses
 them now (``MADV_COLLAPSE``, Linux 6.1+) instead of waiting for
-khugepaged: the weights at warm-up, the pool in a thread of its own
-(``Collapser``) while the engine serves. Contents are unchanged. Measured
+khugepaged: at warm-up, or, in a daemon, the pool in a thread of its own
+(``Collapser``) while it serves. Contents are unchanged. Measured
 on the dev config at batch 1 (AMD EPYC, 2 cores, 2026-12-06): 14.6-15.4
 ms a token before, 13.6-14.1 after, in one process. Elsewhere (another OS,
 THP off, an older kernel) it does nothing and says so.

@@ -1,5 +1,6 @@
-"""The weights go on huge pages at warm-up, the pool in a thread after it
-(hugepages.py): contents unchanged, whatever the system offers."""
+"""The weights and the pool go on huge pages at warm-up, or the pool in a
+thread while the engine serves (hugepages.py): contents unchanged,
+whatever the system offers."""
 
 from __future__ import annotations
 
@@ -61,8 +62,24 @@ def test_an_engine_decodes_the_same_after_warm_up_moves_it() -> None:
     warm = Engine(model, config)
     warm.warm_up()
     assert warm.huge_page_bytes >= 0
-    assert warm.pool_huge_pages is not None
-    during = BatchGenerator(warm).generate([[1, 4, 9, 16]], greedy)[0].completion_ids
-    assert warm.pool_huge_pages.join(120)
     after = BatchGenerator(warm).generate([[1, 4, 9, 16]], greedy)[0].completion_ids
-    assert during == after == before
+    assert after == before
+
+
+def test_an_engine_decodes_the_same_while_and_after_its_pool_is_collapsed() -> None:
+    """As a daemon does: the weights at warm-up, the pool in a thread."""
+    model = random_model(vocab_size=96, sliding_window=12, seed=9)
+    config = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=8)]
+    before = BatchGenerator(Engine(model, config)).generate([[1, 4, 9, 16]], greedy)[0]
+    engine = Engine(model, config)
+    engine.warm_up(pool_huge_pages=False)
+    reports: list[int] = []
+    collapser = engine.collapse_pool_later(lambda collapsed, seconds: reports.append(collapsed))
+    assert engine.pool_huge_pages is collapser
+    during = BatchGenerator(engine).generate([[1, 4, 9, 16]], greedy)[0]
+    assert collapser.join(120)
+    after = BatchGenerator(engine).generate([[1, 4, 9, 16]], greedy)[0]
+    assert during.completion_ids == after.completion_ids == before.completion_ids
+    assert reports == [collapser.collapsed]
+    assert 0 <= collapser.collapsed <= engine.pool.nbytes
