@@ -543,9 +543,7 @@ class Engine:
         self.decode_tokens = 0
         self.decode_seconds = 0.0
         self._warm = False
-        self.huge_page_bytes = 0  # the weights (and pool) on huge pages at warm-up (hugepages.py)
-        # The pool's when collapsed while the engine serves (``collapse_pool_later``).
-        self.pool_huge_pages: hugepages.Collapser | None = None
+        self.huge_page_bytes = 0  # the weights and pool on huge pages (hugepages.py)
         self._rows = self._new_rows()
         self._minus_ones: dict[tuple[int, ...], Any] = {}  # by shape (``_constant``)
         self.mask_words = mask_words(self.vocab_size)
@@ -779,10 +777,8 @@ class Engine:
                 )
         return program
 
-    def warm_up(self, progress: Progress | None = None, *, pool_huge_pages: bool = True) -> float:
-        """Compile every bucket before serving; returns seconds spent.
-        ``pool_huge_pages``: collapse the pool's huge pages now (the weights'
-        always are); a daemon leaves them to ``collapse_pool_later``."""
+    def warm_up(self, progress: Progress | None = None) -> float:
+        """Compile every bucket before serving; returns seconds spent."""
         start = time.perf_counter()
         shapes = self.shape_buckets()
         total = len(shapes) + len(self.seq_buckets) + 1
@@ -813,23 +809,11 @@ class Engine:
         heap.release_free_memory()  # compiling leaves hundreds of MB freed but resident
         # Every step reads the weights (and the pool) through the TLB: on
         # huge pages a batch-1 token took 13.6-14.1 ms against 14.6-15.4.
-        pool = [self.pool] if pool_huge_pages else []
         self.huge_page_bytes = hugepages.back_with_huge_pages(
-            [*jax.tree_util.tree_leaves(self.params), *pool]
+            [*jax.tree_util.tree_leaves(self.params), self.pool]
         )
         self._warm = True
         return time.perf_counter() - start
-
-    def collapse_pool_later(self, done: Callable[[int, float], None]) -> hugepages.Collapser:
-        """The pool's huge pages, collapsed in a thread of its own while the
-        engine serves (``done(bytes, seconds)`` there at the end): the
-        shipped config's 4 GiB pool took 22 s, a quarter of the daemon's
-        start, and a step reads only its own sequences' pages of it. The
-        kernel's copying takes a core meanwhile, so nothing that measures
-        the engine (the daemon's calibration, a benchmark) should run
-        beside it."""
-        self.pool_huge_pages = hugepages.Collapser([self.pool], done)
-        return self.pool_huge_pages
 
     def _first_runs(self, shapes: list[tuple[int, int]]) -> None:
         """Run every decoder program once: a program's first run pays for its

@@ -9,27 +9,27 @@ back only memory that asks for them, and XLA:CPU's buffers do not ask.
 ``back_with_huge_pages`` asks for the 2 MiB-aligned runs of the address
 ranges holding the given arrays (neighbouring buffers merged first, since
 most of a layer's matrices are smaller than a huge page), and collapses
-them now (``MADV_COLLAPSE``, Linux 6.1+) instead of waiting for
-khugepaged: at warm-up, or, in a daemon, the pool in a thread of its own
-(``Collapser``) while it serves. Contents are unchanged. Measured
-on the dev config at batch 1 (AMD EPYC, 2 cores, 2026-12-06): 14.6-15.4
-ms a token before, 13.6-14.1 after, in one process. Elsewhere (another OS,
-THP off, an older kernel) it does nothing and says so.
+them at once (``MADV_COLLAPSE``, Linux 6.1+) instead of waiting for
+khugepaged. Contents are unchanged. Measured on the dev config at batch 1
+(AMD EPYC, 2 cores, 2026-12-06): 14.6-15.4 ms a token before, 13.6-14.1
+after, in one process. Elsewhere (another OS, THP off, an older kernel)
+it does nothing and says so.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 HUGE_PAGE = 2 << 20
-COLLAPSE_RUN = 64 << 20  # bytes one MADV_COLLAPSE call asks for
+# Bytes one MADV_COLLAPSE call asks for: a run the kernel cannot collapse (no
+# free huge page there) fails alone, and the count says what was collapsed
+# (one call over a 4 GiB pool failed as a whole, most of it collapsed).
+COLLAPSE_RUN = 64 << 20
 
 
 def _madvise() -> Any | None:
@@ -68,16 +68,9 @@ def buffer_ranges(arrays: Iterable[Any]) -> list[tuple[int, int]]:
     return merged
 
 
-def back_with_huge_pages(
-    arrays: Iterable[Any],
-    collapse: bool = True,
-    collapsed_so_far: Callable[[int], None] | None = None,
-) -> int:
-    """Ask for huge pages under ``arrays``' buffers and, with ``collapse``,
-    collapse them now; returns the bytes collapsed (0 where the system
-    offers none, or when only asked). Collapsed a run at a time, each
-    reported to ``collapsed_so_far``: one run the kernel cannot collapse
-    (no free huge page there) fails alone."""
+def back_with_huge_pages(arrays: Iterable[Any]) -> int:
+    """Ask for huge pages under ``arrays``' buffers and collapse them now;
+    returns the bytes collapsed (0 where the system offers none)."""
     madvise = _madvise()
     if madvise is None:
         return 0
@@ -89,45 +82,8 @@ def back_with_huge_pages(
             continue
         if madvise(first, last - first, MADV_HUGEPAGE) != 0:
             continue  # THP off, or not this kind of memory
-        if not collapse:
-            continue
         for run in range(first, last, COLLAPSE_RUN):
             size = min(COLLAPSE_RUN, last - run)
             if madvise(run, size, MADV_COLLAPSE) == 0:
                 collapsed += size
-                if collapsed_so_far is not None:
-                    collapsed_so_far(size)
     return collapsed
-
-
-class Collapser:
-    """Huge pages under arrays, collapsed in a thread of its own while the
-    process serves: the kernel copies every 4 KiB page of a range into huge
-    ones, and the shipped config's 4 GiB pool took 22 s of a 95 s start
-    (AMD EPYC, 2 cores). Each step reads only its own sequences' pages of
-    the pool, so none waits for it; the weights, which every step reads
-    whole, are collapsed before serving. The kernel keeps the contents
-    while the engine reads and writes them (it locks each range it
-    copies). ``collapsed``: bytes so far."""
-
-    def __init__(self, arrays: list[Any], done: Callable[[int, float], None]) -> None:
-        self.collapsed = 0
-        self._arrays = arrays
-        self._done = done
-        self._thread = threading.Thread(target=self._run, name="kvd-huge-pages", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        start = time.perf_counter()
-
-        def grew(size: int) -> None:
-            self.collapsed += size
-
-        back_with_huge_pages(self._arrays, collapsed_so_far=grew)
-        self._arrays = []  # the buffers are the engine's: no reference kept
-        self._done(self.collapsed, time.perf_counter() - start)
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Until the collapse ends (True), or ``timeout`` seconds (False)."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()

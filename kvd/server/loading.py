@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import structlog
 
 from kvd.engine import compile_cache, onednn, qdense
 from kvd.engine.engine import Engine, EngineConfig
@@ -22,8 +21,6 @@ from kvd.server.config import Config, ConfigError
 from kvd.server.scheduling import Loaded, build_scheduler, config_prefixes
 from kvd.server.state import LiveState, from_config
 from kvd.units import parse_size
-
-log = structlog.get_logger("kvd")
 
 # On a CPU the pool shares RAM with everything else on the host: "auto" takes
 # at most this much there (vLLM's CPU backend defaults its KV space to 4 GiB).
@@ -239,7 +236,7 @@ def load(
             last[0] = now
             progress("lifecycle.warmup", {"done": done, "total": total, "compiling": what})
 
-    seconds = engine.warm_up(warm, pool_huge_pages=False)
+    seconds = engine.warm_up(warm)
     progress("lifecycle.warm", warm_fields(engine, seconds))
     # On a scratch KV manager of its own: the calibration's prompts are nobody's.
     progress("lifecycle.calibrating", {"what": "the prefill and copy rates"})
@@ -251,13 +248,6 @@ def load(
             "copy_bytes_per_s": round(rates.copy_bytes_per_s),
             "crossover_tokens": rates.crossover_tokens(),
         },
-    )
-    # After the calibration, which the kernel's copying would slow. Logged,
-    # not progress: it ends while the daemon serves.
-    engine.collapse_pool_later(
-        lambda collapsed, seconds: log.info(
-            "engine.pool_huge_pages", bytes=collapsed, seconds=round(seconds, 2)
-        )
     )
     return Loaded(
         scheduler,
