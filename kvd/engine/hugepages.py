@@ -28,7 +28,7 @@ MADV_COLLAPSE = 25
 HUGE_PAGE = 2 << 20
 # Bytes one MADV_COLLAPSE call asks for: a run the kernel cannot collapse (no
 # free huge page there) fails alone, and the count says what was collapsed
-# (one call over a 4 GiB pool failed as a whole, most of it collapsed).
+# (one call over the shipped config's 4 GiB pool failed, and none of it counted).
 COLLAPSE_RUN = 64 << 20
 
 
