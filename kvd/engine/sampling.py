@@ -593,9 +593,8 @@ def _search(cumulative: jax.Array, targets: jax.Array) -> jax.Array:
     ends = cumulative[:, run - 1 :: run]  # [S, N / run]
     before = jnp.sum(ends[:, None, :] <= targets[..., None], axis=2)  # whole runs at most it
     start = jnp.minimum(before, n // run - 1)
-    inside = _block_values(cumulative, start, run)  # [S, P, run]
-    index = start * run + jnp.sum(inside <= targets[..., None], axis=2)
-    return jnp.minimum(index, n - 1)
+    # The run found ends past the target, unless it is the last run.
+    return start * run + _falls_on(_block_values(cumulative, start, run), targets)
 
 
 def _weights(values: jax.Array, scale: tuple[jax.Array, ...]) -> jax.Array:
