@@ -19,6 +19,16 @@ prompt 155 tokens of the 270M's tokenizer instead of 581. ``--prompt-tokens N``
 sends token ids instead of text, exactly N a prompt (a shared run and 8 of
 each request's own), to compare with ``kvd bench decode --batches 1
 --prompt-len N``, the in-process step at the same context.
+
+``--inprocess CONFIG --rounds R`` (with ``--prompt-tokens``) makes that
+comparison in one run: this process also loads CONFIG's engine and
+scheduler as ``kvd serve`` does (give the daemon's own config), then
+alternates R rounds of the same requests, each first stepped in a plain
+loop here, then sent to the server. Each round's difference (the client's
+mean gap less the in-process one) is taken between neighbours, so a
+machine whose speed swings from minute to minute moves both sides of it;
+the median difference is the streaming path's whole cost per token: the
+server's event loop, HTTP, the thread hop, and the client, beside the step.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import httpx
 
@@ -110,6 +122,82 @@ def handoff_totals(client: httpx.Client, metrics: str) -> tuple[float, float]:
     return total, count
 
 
+class InProcess:
+    """The daemon's scheduler over its engine, loaded from its config as
+    ``kvd serve`` loads it, stepped in a plain loop: the in-process side."""
+
+    def __init__(self, config_path: str, tokens: int) -> None:
+        import gc
+
+        from kvd.sched.sampling_params import SamplingParams
+        from kvd.server.config import ConfigError, load_config
+        from kvd.server.loading import load
+
+        try:
+            config = load_config(config_path)
+        except (ConfigError, OSError) as exc:
+            raise SystemExit(f"--inprocess: {exc}") from None
+        if not config.tenants:
+            raise SystemExit(f"{config_path} names no tenant to submit as")
+        print(f"loading {config_path} in process (compiles, as the daemon's start does)")
+        self.scheduler = load(config, lambda event, fields: None).scheduler
+        gc.collect()
+        gc.freeze()  # as the daemon does once ready
+        self.tenant = config.tenants[0].name
+        self.params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        self.submitted = 0
+
+    def gap(self, prompt: list[int]) -> float:
+        """One request's mean gap between tokens, in seconds, as the step
+        loop sees them (the daemon's ``kvd_inter_token_latency_seconds``)."""
+        self.submitted += 1
+        self.scheduler.submit(f"inprocess-{self.submitted}", self.tenant, prompt, self.params)
+        arrivals: list[float] = []
+        finished = False
+        while not finished:
+            events = self.scheduler.step().events
+            now = time.perf_counter()
+            for event in events:
+                if event.token is not None:
+                    arrivals.append(now)
+                finished |= event.finished
+        return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+
+
+def server_round(
+    client: httpx.Client, args: Any, prompts: Sequence[str | list[int]]
+) -> tuple[list[float], list[float], list[float]]:
+    """(TTFTs, decode rates, mean gaps) of ``prompts`` sent one after another."""
+    ttfts, rates, gaps = [], [], []
+    for prompt in prompts:
+        ttft, after_first, seconds = one_request(client, args.url, args.model, prompt, args.tokens)
+        ttfts.append(ttft)
+        rates.append(after_first / seconds)
+        gaps.append(seconds / after_first)
+    return ttfts, rates, gaps
+
+
+def alternate(
+    client: httpx.Client, args: Any, inprocess: InProcess, prompts: list[list[int]]
+) -> None:
+    """``--inprocess``: rounds of the same requests in process, then at the server."""
+    differences = []
+    for number in range(1, args.rounds + 1):
+        own = 1e3 * statistics.mean(inprocess.gap(prompt) for prompt in prompts)
+        served = 1e3 * statistics.mean(server_round(client, args, prompts)[2])
+        differences.append(served - own)
+        print(
+            f"round {number}: {own:.2f} ms between tokens in process, {served:.2f} at the "
+            f"client ({served - own:+.2f})",
+            flush=True,
+        )
+    print(
+        f"{args.rounds} rounds of {len(prompts)} requests: the client's gap less the "
+        f"in-process step's, median {statistics.median(differences):+.2f} ms "
+        f"(from {min(differences):+.2f} to {max(differences):+.2f})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True)
@@ -122,32 +210,44 @@ def main() -> None:
     parser.add_argument(
         "--prompt-tokens", type=int, default=None, help="Token-id prompts of exactly this many."
     )
+    parser.add_argument(
+        "--inprocess",
+        default=None,
+        metavar="CONFIG",
+        help="Also step this kvd config's engine here, alternating rounds with the server's.",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="Rounds with --inprocess.")
     args = parser.parse_args()
+    if args.inprocess is not None and args.prompt_tokens is None:
+        parser.error("--inprocess needs --prompt-tokens (the same token ids on both sides)")
+    if args.rounds < 1 or args.requests < 1:
+        parser.error("--rounds and --requests must be at least 1")
     shared = SHARED_TEXT * args.repeat
     prompts: list[str | list[int]] = [f"{shared}Q: {q}\nA:" for q in QUESTIONS]
     warm: str | list[int] = shared + "Q: Hello?\nA:"
+    ids: list[list[int]] = []
     if args.prompt_tokens is not None:
         if args.prompt_tokens < 16:
             parser.error("--prompt-tokens must be at least 16")
         # Ordinary ids of a 262k vocabulary, past the special tokens.
-        ids = random.Random(0).sample(range(1_000, 200_000), args.prompt_tokens + 8 * 13)
-        common, own = ids[: args.prompt_tokens - 8], ids[args.prompt_tokens - 8 :]
-        prompts = [common + own[8 * i : 8 * i + 8] for i in range(12)]
-        warm = common + own[-8:]
+        drawn = random.Random(0).sample(range(1_000, 200_000), args.prompt_tokens + 8 * 13)
+        common, own = drawn[: args.prompt_tokens - 8], drawn[args.prompt_tokens - 8 :]
+        ids = [common + own[8 * i : 8 * i + 8] for i in range(13)]  # the last: the warm-up's
+        prompts, warm = list(ids[:12]), ids[12]
+    inprocess = None
+    if args.inprocess is not None:
+        inprocess = InProcess(args.inprocess, args.tokens)
+        inprocess.gap(ids[12])  # warm, as the server is below
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
-    ttfts, rates, gaps = [], [], []
     # A connection per request: llama-server closes idle kept-alive ones.
     limits = httpx.Limits(max_keepalive_connections=0)
     with httpx.Client(headers=headers, timeout=300, limits=limits) as client:
         one_request(client, args.url, args.model, warm, 4)  # warm
+        if inprocess is not None:
+            alternate(client, args, inprocess, ids[: min(args.requests, 12)])
+            return
         before = handoff_totals(client, args.metrics) if args.metrics else None
-        for prompt in prompts[: args.requests]:
-            ttft, after_first, seconds = one_request(
-                client, args.url, args.model, prompt, args.tokens
-            )
-            ttfts.append(ttft)
-            rates.append(after_first / seconds)
-            gaps.append(seconds / after_first)
+        ttfts, rates, gaps = server_round(client, args, prompts[: args.requests])
         after = handoff_totals(client, args.metrics) if args.metrics else None
     print(
         f"{args.url}: {len(ttfts)} requests, decode {statistics.median(rates):.1f} tok/s "
