@@ -8,8 +8,8 @@ samples the same tokens whatever it is batched with and however often it is
 preempted and resumed.
 
 Greedy choice and temperature draws read the logits once, for the maxima of
-their blocks (``block_maxima``): greedy is a blockwise argmax, and a
-temperature draw is exact rejection sampling over the blocks
+their blocks or columns: greedy is a columnwise argmax (``first_argmax``),
+and a temperature draw is exact rejection sampling over blocks
 (``draw_by_blocks``), which computes exponentials for a few blocks only.
 
 Top-k and top-p are exact over the whole vocabulary, as vLLM applies them
@@ -225,9 +225,9 @@ def block_size(vocab: int) -> int:
 def block_maxima(values: jax.Array, size: int | None = None) -> jax.Array:
     """The largest value of each block of ``size`` (default
     ``block_size(V)``) consecutive vocabulary entries of ``values [S, V]``:
-    ``[S, V / size]``, one read of the logits. Greedy choice and temperature
-    draws both start from such maxima, and never read the whole vocabulary
-    again. The barrier keeps it computed once: XLA:CPU otherwise fuses the
+    ``[S, V / size]``, one read of the logits. Temperature draws and
+    ``top_candidates`` start from such maxima, and never read the whole
+    vocabulary again. The barrier keeps it computed once: XLA:CPU otherwise fuses the
     reduction into each consumer and reads the logits again per element (a
     30 ms argmax at batch 32)."""
     seqs, vocab = values.shape
@@ -236,21 +236,41 @@ def block_maxima(values: jax.Array, size: int | None = None) -> jax.Array:
     return jax.lax.optimization_barrier(maxima)
 
 
-def first_argmax(values: jax.Array, maxima: jax.Array | None = None) -> jax.Array:
+COLUMNS = 2048  # columns of ``first_argmax``'s strided maxima
+
+
+def first_argmax(values: jax.Array) -> jax.Array:
     """``argmax(values, axis=1)`` (int32; the first of equal maxima), from
-    ``block_maxima(values)``: the first block holding the largest value,
-    then the first entry of that block holding it, so the vocabulary is read
-    once (argmax's paired (value, index) reduce runs element by element on
-    XLA:CPU, 30 times slower). An index no value matches (a NaN maximum) is
-    the last token's, so it stays in range."""
-    if maxima is None:
-        maxima = block_maxima(values)
-    seqs, blocks = maxima.shape
-    size = values.shape[1] // blocks
+    one read of the vocabulary. Row s is seen as ``V / C`` rows of ``C =
+    COLUMNS`` entries (fewer where C does not divide V), and the maximum of
+    each column (entries j, j + C, j + 2C, ...) is taken: element by
+    element across whole rows, with no reduction inside a vector, where
+    maxima of consecutive entries need one per block (on the AMD EPYC, 32
+    rows of 262,144 logits, alternated 60 times: 1.15-1.34x a pass that
+    only reads them, against 1.33-1.59x with blocks of 256).
+    The first column holding the largest value, then the first entry of
+    that column holding it, is the first index holding it unless another
+    column holds it too: rows with such a tie take the first equal entry of
+    the whole row, a second pass made only when a row of the batch has
+    one. (argmax's own paired (value, index) reduce runs element by element
+    on XLA:CPU, 30 times slower.) An index no value matches (a NaN maximum)
+    is the last token's, so it stays in range."""
+    seqs, vocab = values.shape
+    columns = _divisor(vocab, COLUMNS)
+    grid = values.reshape(seqs, vocab // columns, columns)
+    # The barrier keeps the pass computed once (see ``block_maxima``).
+    maxima = jax.lax.optimization_barrier(jnp.max(grid, axis=1))  # [S, C]
     best = jnp.max(maxima, axis=1)
-    block = _first_where(maxima == best[:, None], blocks - 1)
-    inside = _block_values(values, block, size)  # [S, B]
-    return block * size + _first_where(inside == best[:, None], size - 1)
+    holds = maxima == best[:, None]
+    column = _first_where(holds, columns - 1)
+    entries = jnp.take_along_axis(grid, column[:, None, None], axis=2)[..., 0]
+    first = _first_where(entries == best[:, None], vocab // columns - 1) * columns + column
+    tied = jnp.sum(holds, axis=1) > 1
+
+    def untie() -> jax.Array:
+        return jnp.where(tied, _first_where(values == best[:, None], vocab - 1), first)
+
+    return jax.lax.cond(jnp.any(tied), untie, lambda: first)
 
 
 def _first_where(found: jax.Array, missing: int) -> jax.Array:

@@ -18,6 +18,7 @@ from kvd.engine.sampling import (
     BEYOND_ROWS,
     CANDIDATE_GROUPS,
     CANDIDATES,
+    COLUMNS,
     DRAW_ROWS,
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
@@ -515,6 +516,26 @@ def test_first_argmax_finds_ties_across_blocks() -> None:
     values[2, [3, 2]] = 4.0
     picked = np.asarray(jax.jit(first_argmax)(jnp.asarray(values)))
     np.testing.assert_array_equal(picked, np.argmax(values, axis=1))
+
+
+def test_first_argmax_with_ties_within_and_across_columns() -> None:
+    """Equal maxima in one column (the earlier entry wins without a second
+    pass), in several columns (the second pass), and none, on a vocabulary
+    of many columns; a batch with no tie and a batch with one agree on the
+    rows without."""
+    columns = COLUMNS
+    vocab = 64 * columns
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal((6, vocab)).astype(np.float32)
+    values[0, [7 + 5 * columns, 7 + 2 * columns]] = 9.0  # one column, two entries
+    values[1, [columns - 1, 3 * columns]] = 9.0  # two columns: the later column first
+    values[2, [vocab - 1]] = 9.0  # the very last entry
+    values[3, [0]] = 9.0
+    values[4, :] = -np.inf
+    argmax = jax.jit(first_argmax)
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(values))), np.argmax(values, 1))
+    untied = np.delete(values, [1, 4], axis=0)
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(untied))), np.argmax(untied, 1))
 
 
 def _chi_square_ok(tokens: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
