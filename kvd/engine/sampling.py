@@ -227,9 +227,9 @@ def block_maxima(values: jax.Array, size: int | None = None) -> jax.Array:
     ``block_size(V)``) consecutive vocabulary entries of ``values [S, V]``:
     ``[S, V / size]``, one read of the logits. Temperature draws and
     ``top_candidates`` start from such maxima, and never read the whole
-    vocabulary again. The barrier keeps it computed once: XLA:CPU otherwise fuses the
-    reduction into each consumer and reads the logits again per element (a
-    30 ms argmax at batch 32)."""
+    vocabulary again. The barrier keeps it computed once: XLA:CPU otherwise
+    fuses the reduction into each consumer and reads the logits again per
+    element (a 30 ms argmax at batch 32)."""
     seqs, vocab = values.shape
     size = size or block_size(vocab)
     maxima = jnp.max(values.reshape(seqs, vocab // size, size), axis=2)
