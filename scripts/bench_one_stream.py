@@ -27,8 +27,9 @@ alternates R rounds of the same requests, each first stepped in a plain
 loop here, then sent to the server. Each round's difference (the client's
 mean gap less the in-process one) is taken between neighbours, so a
 machine whose speed swings from minute to minute moves both sides of it;
-the median difference is the streaming path's whole cost per token: the
-server's event loop, HTTP, the thread hop, and the client, beside the step.
+the median difference is what serving costs per token beside the step (the
+server's event loop, HTTP, the thread hop, and the client, on the same
+cores), where ``--metrics`` measures the streaming path alone.
 """
 
 from __future__ import annotations
