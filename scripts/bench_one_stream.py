@@ -30,12 +30,22 @@ machine whose speed swings from minute to minute moves both sides of it;
 the median difference is what serving costs per token beside the step (the
 server's event loop, HTTP, the thread hop, and the client, on the same
 cores), where ``--metrics`` measures the streaming path alone.
+
+``--cpu-of PID`` (a server on this machine) reads the CPU time each of its
+threads spent over the server's rounds (``/proc/PID/task``), and prints it
+per chunk received, by thread: ``main`` (kvd's event loop: HTTP, the
+relay, the step loop's own work), ``kvd-step`` (the step thread), the
+compute threads under their own names; and this client's own CPU per
+chunk. On a machine whose cores the step keeps busy, the event loop's and
+the client's CPU is what the gap pays beside the step; unlike the gap, it
+holds still while the machine's speed swings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -72,8 +82,9 @@ QUESTIONS = [
 
 def one_request(
     client: httpx.Client, url: str, model: str, prompt: str | list[int], tokens: int
-) -> tuple[float, int, float]:
-    """(TTFT, tokens after the first, seconds from the first token to the last)."""
+) -> tuple[float, int, float, int]:
+    """(TTFT, tokens after the first, seconds from the first token to the
+    last, chunks with text)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -105,7 +116,7 @@ def one_request(
     assert first is not None and arrivals, "fewer than two chunks arrived"
     # Tokens from the usage report (a chunk may carry several), else one a chunk.
     after_first = (produced or len(arrivals) + 1) - 1
-    return first - start, after_first, arrivals[-1]
+    return first - start, after_first, arrivals[-1], len(arrivals) + 1
 
 
 ITL = "kvd_inter_token_latency_seconds"
@@ -166,26 +177,93 @@ class InProcess:
 
 
 def server_round(
-    client: httpx.Client, args: Any, prompts: Sequence[str | list[int]]
+    client: httpx.Client,
+    args: Any,
+    prompts: Sequence[str | list[int]],
+    meter: ThreadCpu | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """(TTFTs, decode rates, mean gaps) of ``prompts`` sent one after another."""
     ttfts, rates, gaps = [], [], []
+    chunks = 0
+    if meter is not None:
+        meter.start()
     for prompt in prompts:
-        ttft, after_first, seconds = one_request(client, args.url, args.model, prompt, args.tokens)
+        ttft, after_first, seconds, received = one_request(
+            client, args.url, args.model, prompt, args.tokens
+        )
         ttfts.append(ttft)
         rates.append(after_first / seconds)
         gaps.append(seconds / after_first)
+        chunks += received
+    if meter is not None:
+        meter.stop(chunks)
     return ttfts, rates, gaps
 
 
+class ThreadCpu:
+    """CPU seconds of each thread of a process on this machine (and of this
+    client), summed by thread name over spans, per chunk received."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.totals: dict[str, float] = {}
+        self.chunks = 0
+        self._before: dict[int, tuple[str, float]] = {}
+        self._own = 0.0
+        self.read()  # fails now, clearly, for a process not there
+
+    def read(self) -> dict[int, tuple[str, float]]:
+        tick = os.sysconf("SC_CLK_TCK")
+        threads = {}
+        try:
+            tids = os.listdir(f"/proc/{self.pid}/task")
+        except OSError as exc:
+            raise SystemExit(f"--cpu-of {self.pid}: no such process here ({exc})") from None
+        for tid in tids:
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/comm") as comm:
+                    name = comm.read().strip()
+                with open(f"/proc/{self.pid}/task/{tid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # the thread ended meanwhile
+            # utime and stime: fields 14 and 15 of stat(5).
+            key = "main" if int(tid) == self.pid else name
+            threads[int(tid)] = (key, (int(fields[11]) + int(fields[12])) / tick)
+        return threads
+
+    def start(self) -> None:
+        self._before, self._own = self.read(), time.process_time()
+
+    def stop(self, chunks: int) -> None:
+        totals = self.totals
+        own = time.process_time() - self._own
+        totals["(this client)"] = totals.get("(this client)", 0.0) + own
+        for tid, (name, seconds) in self.read().items():
+            spent = seconds - self._before.get(tid, (name, 0.0))[1]
+            totals[name] = totals.get(name, 0.0) + spent
+        self.chunks += chunks
+
+    def report(self) -> str:
+        lines = [f"CPU per chunk received, by thread ({self.chunks} chunks):"]
+        for name, seconds in sorted(self.totals.items(), key=lambda kv: -kv[1]):
+            if seconds > 0:
+                lines.append(f"  {name:24s} {1e3 * seconds / max(self.chunks, 1):.3f} ms")
+        return "\n".join(lines)
+
+
 def alternate(
-    client: httpx.Client, args: Any, inprocess: InProcess, prompts: list[list[int]]
+    client: httpx.Client,
+    args: Any,
+    inprocess: InProcess,
+    prompts: list[list[int]],
+    meter: ThreadCpu | None,
 ) -> None:
     """``--inprocess``: rounds of the same requests in process, then at the server."""
     differences = []
     for number in range(1, args.rounds + 1):
         own = 1e3 * statistics.mean(inprocess.gap(prompt) for prompt in prompts)
-        served = 1e3 * statistics.mean(server_round(client, args, prompts)[2])
+        served = 1e3 * statistics.mean(server_round(client, args, prompts, meter)[2])
         differences.append(served - own)
         print(
             f"round {number}: {own:.2f} ms between tokens in process, {served:.2f} at the "
@@ -218,6 +296,13 @@ def main() -> None:
         help="Also step this kvd config's engine here, alternating rounds with the server's.",
     )
     parser.add_argument("--rounds", type=int, default=5, help="Rounds with --inprocess.")
+    parser.add_argument(
+        "--cpu-of",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="The server's process (on this machine): its threads' CPU per chunk.",
+    )
     args = parser.parse_args()
     if args.inprocess is not None and args.prompt_tokens is None:
         parser.error("--inprocess needs --prompt-tokens (the same token ids on both sides)")
@@ -235,6 +320,7 @@ def main() -> None:
         common, own = drawn[: args.prompt_tokens - 8], drawn[args.prompt_tokens - 8 :]
         ids = [common + own[8 * i : 8 * i + 8] for i in range(13)]  # the last: the warm-up's
         prompts, warm = list(ids[:12]), ids[12]
+    meter = ThreadCpu(args.cpu_of) if args.cpu_of is not None else None
     inprocess = None
     if args.inprocess is not None:
         inprocess = InProcess(args.inprocess, args.tokens)
@@ -245,10 +331,12 @@ def main() -> None:
     with httpx.Client(headers=headers, timeout=300, limits=limits) as client:
         one_request(client, args.url, args.model, warm, 4)  # warm
         if inprocess is not None:
-            alternate(client, args, inprocess, ids[: min(args.requests, 12)])
+            alternate(client, args, inprocess, ids[: min(args.requests, 12)], meter)
+            if meter is not None:
+                print(meter.report())
             return
         before = handoff_totals(client, args.metrics) if args.metrics else None
-        ttfts, rates, gaps = server_round(client, args, prompts[: args.requests])
+        ttfts, rates, gaps = server_round(client, args, prompts[: args.requests], meter)
         after = handoff_totals(client, args.metrics) if args.metrics else None
     print(
         f"{args.url}: {len(ttfts)} requests, decode {statistics.median(rates):.1f} tok/s "
@@ -263,6 +351,8 @@ def main() -> None:
             f"{after[1] - before[1]:.0f} gaps); client: {client_gap:.2f} ms (mean); "
             f"the streaming path costs {client_gap - 1e3 * handoff:+.2f} ms a token"
         )
+    if meter is not None:
+        print(meter.report())
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 HTTP handlers never touch the scheduler. They queue commands (submit,
 cancel) into an inbox; the step loop applies the inbox at each step
-boundary, then runs ``Scheduler.step`` in a worker thread (the event loop
+boundary, then runs ``Scheduler.step`` in its own thread (the event loop
 keeps serving while the device computes) and hands each request's tokens to
 its handler through a memory channel, which closes when the request ends
 (its ticket then says how). So every change to scheduler state
@@ -37,6 +37,7 @@ from kvd.sched.results import StepResult
 from kvd.sched.sampling_params import SamplingParams
 from kvd.sched.scheduler import Rejection, Request, Scheduler, SchedulerStats, StepEvent
 from kvd.sched.stopping import StopCondition
+from kvd.server.stepthread import StepThread
 
 log = structlog.get_logger("kvd")
 T = TypeVar("T")
@@ -107,7 +108,7 @@ class Runtime:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
-        # A device step runs in a worker thread so the event loop keeps
+        # A device step runs in the step thread so the event loop keeps
         # serving; a simulated one (microseconds) may run inline, which lets
         # tests drive the whole runtime on trio's MockClock.
         self.step_in_thread = step_in_thread
@@ -132,9 +133,9 @@ class Runtime:
         self.latency_sink: Callable[[str, list[float], list[float]], None] | None = None
         # Called after every step and command: what changed in the cache goes out (KV events).
         self.after_change: Callable[[], None] | None = None
-        # The step's own worker: never queued behind other threads (tokenizing,
+        # The step's own thread: never queued behind other threads (tokenizing,
         # state file writes), whose wait would count against step_timeout.
-        self._step_thread = trio.CapacityLimiter(1)
+        self._step_thread = StepThread()
 
     # -- the handlers' side ------------------------------------------------------
 
@@ -312,6 +313,8 @@ class Runtime:
             await self._serve()
         except Exception as exc:  # noqa: BLE001  # the engine's end: handled, then reported
             self._fail(exc)
+        finally:
+            self._step_thread.close()
 
     def _fail(self, exc: BaseException) -> None:
         self.failure = f"{type(exc).__name__}: {exc}"
@@ -325,17 +328,15 @@ class Runtime:
             ticket.accepted.set()
 
     async def _step(self, work: Callable[[], T]) -> T:
-        """One scheduler call (a step, or reading the step in flight) in a
-        worker thread. Shielded: a shutdown waits for the step in progress (it
+        """One scheduler call (a step, or reading the step in flight) in the
+        step thread. Shielded: a shutdown waits for the step in progress (it
         owns the scheduler until it returns); only ``step_timeout`` gives up
         on it, and then the engine has failed."""
         if not self.step_in_thread:
             return work()
-        with trio.CancelScope(shield=True), trio.move_on_after(self.step_timeout) as timer:
-            return await trio.to_thread.run_sync(
-                work, abandon_on_cancel=True, limiter=self._step_thread
-            )
-        assert timer.cancelled_caught
+        # One scope, shielded from outside and cancelled by its own deadline.
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + self.step_timeout):
+            return await self._step_thread.run(work)
         raise StepTimeout(
             f"a step did not finish within {self.step_timeout:g} s (the device hung or was lost)"
         )
@@ -377,7 +378,12 @@ class Runtime:
             totals.busy_s += now - started
             totals.longest_s = max(totals.longest_s, now - started)
             self._refresh(now)
-            await trio.lowlevel.checkpoint()
+            if self.step_in_thread:
+                # A cancel point, not a schedule point: the handlers (the
+                # streams this step fed) run while the next step does.
+                await trio.lowlevel.checkpoint_if_cancelled()
+            else:
+                await trio.lowlevel.checkpoint()
 
     def _dispatch(self, events: list[StepEvent], now: float) -> None:
         live = self._live
