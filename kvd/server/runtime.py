@@ -378,12 +378,9 @@ class Runtime:
             totals.busy_s += now - started
             totals.longest_s = max(totals.longest_s, now - started)
             self._refresh(now)
-            if self.step_in_thread:
-                # A cancel point, not a schedule point: the handlers (the
-                # streams this step fed) run while the next step does.
-                await trio.lowlevel.checkpoint_if_cancelled()
-            else:
-                await trio.lowlevel.checkpoint()
+            # The streams this step fed run before the next step starts, so
+            # their Python and the step's do not contend for the GIL.
+            await trio.lowlevel.checkpoint()
 
     def _dispatch(self, events: list[StepEvent], now: float) -> None:
         live = self._live
