@@ -26,6 +26,9 @@ from typing import Any
 import msgspec
 
 HISTORY = 4096  # tokens of each row's history (the default max_model_len)
+# Rounds, per repeat, of the passes timed in turn: a call takes a few
+# milliseconds and the machine's speed swings between calls, so many.
+ROUNDS = 16
 
 
 class SamplingCase(msgspec.Struct, frozen=True):
@@ -188,7 +191,7 @@ def run_sampling_bench(
             _call(step, inputs["greedy"]),
             _call(step, inputs["temperature alone"]),
         )
-        for _ in range(4 * repeats)
+        for _ in range(ROUNDS * repeats)
     ]
     base = timed["temperature alone"]
     return SamplingReport(
@@ -289,15 +292,17 @@ def _model_figures(batch: int, repeats: int) -> ModelLogitsFigures:
         jax.block_until_ready(step(*args))
     jax.block_until_ready(read(logits))
     jax.block_until_ready(weigh(logits))
-    # Each call other seeds: other proposals, as a running batch draws.
+    # Each call other seeds: other proposals, as a running batch draws. The
+    # batches are made (and their arrays computed) before any is timed.
+    drawing = jax.block_until_ready([params(1.0, call) for call in range(ROUNDS * repeats)])
     rounds = [
         (
             _call(read, (logits,)),
             _call(step, (logits, greedy)),
-            _call(step, (logits, params(1.0, call))),
+            _call(step, (logits, batch)),
             _call(weigh, (logits,)),
         )
-        for call in range(4 * repeats)
+        for batch in drawing
     ]
     reads, greedies, draws, weighs = (statistics.median(v) for v in zip(*rounds, strict=True))
     return ModelLogitsFigures(

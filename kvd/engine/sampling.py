@@ -494,7 +494,8 @@ def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
 DRAW_BLOCK = 32  # vocabulary entries per block a temperature draw bounds
 BLOCKS_PER_GROUP = 8  # blocks per group, the unit a proposal first chooses
 CANDIDATE_GROUPS = 8  # groups per row whose blocks' exact masses the proposal holds
-PROPOSALS = 128  # proposals per row, made at once, before the exact pass
+PROPOSALS = 128  # proposals per row, at most, before the exact pass
+EARLY_PROPOSALS = 64  # of them, made first; the rest only when a row kept none
 RUNS = 16  # runs of consecutive blocks the exact pass first weighs, at most
 DRAW_ROWS = 8  # rows whose every block the exact pass weighs in one reduction
 SEARCH_RUN = 32  # entries of a running sum one comparison of ``_search`` covers
@@ -520,32 +521,38 @@ def draw_by_blocks(
     min_p) for the ``rows`` asked (others: 0).
 
     Rejection sampling over blocks of ``DRAW_BLOCK`` entries, from one read
-    of the logits: their blocks' maxima. A block's mass is at most its size
-    times the weight of its largest entry, so a block proposed in
-    proportion to that bound, kept with probability mass / bound, then an
-    entry drawn within it by its weight, gives every token exactly its
-    weight over the total. The ``CANDIDATE_GROUPS`` groups of
-    ``BLOCKS_PER_GROUP`` blocks with the largest maxima, where a peaked
-    row's mass lies, offer their blocks' exact masses instead, always kept.
-    A block of 32 is kept at least one time in 32 whatever its logits, and
-    about one time in five on the 270M's at temperature 1; blocks of 256,
-    the 8 best exact, were kept one time in 25 there, since the bulk of the
-    vocabulary holds a real model's mass.
+    of the logits: their blocks' maxima. No entry of a block weighs more
+    than its largest, so a block proposed in proportion to its size times
+    that weight (its bound), one of its entries picked uniformly and kept
+    with probability its weight over the largest's, gives every token
+    exactly its weight over the total: one logit read a proposal. The
+    ``CANDIDATE_GROUPS`` groups of ``BLOCKS_PER_GROUP`` blocks with the
+    largest maxima, where a peaked row's mass lies, offer their blocks'
+    exact masses instead, always kept, the entry then drawn by its weight.
+    A proposal is kept at least one time in 32 whatever the logits, and
+    about one time in five on the 270M's at temperature 1 (median: the
+    third). Group g holds blocks g, g + groups, ... (strided), so that the
+    groups' maxima and sums are taken element by element.
 
-    ``PROPOSALS`` proposals per row are made at once, each a group by the
-    groups' bounds, a block of it by theirs, then the exponentials of that
-    block alone; the row takes its first kept one. A row with none kept
-    draws from every entry's exact weight (``exact_draw``): on the 270M's
-    logits, about one batch of 32 rows in 500 at temperature 1, one in 200
-    at 1.5. Each row's random numbers come from its seed and position
-    (``uniforms``): what it draws depends on its logits and those alone."""
+    ``EARLY_PROPOSALS`` proposals per row are made at once, each a group by
+    the groups' bounds, a block of it by theirs, then an entry; the row
+    takes its first kept one. Only when a row of the batch kept none are
+    the rest of ``PROPOSALS`` made (on the 270M's logits at temperature 1,
+    about one row in 850 needs more than 64). A row with none kept at all
+    draws from every entry's exact weight (``exact_draw``). Each row's
+    random numbers come from its seed and position (``uniforms``), a
+    proposal's wherever it is made: what a row draws depends on its logits
+    and those alone."""
     seqs, vocab = logits.shape
     size = _divisor(vocab, DRAW_BLOCK)
     maxima = block_maxima(logits, size)  # [S, blocks]
     blocks = vocab // size
     per_group = _divisor(blocks, BLOCKS_PER_GROUP)
     groups = blocks // per_group
-    group_maxima = jnp.max(maxima.reshape(seqs, groups, per_group), axis=2)
+    # Group g holds blocks g, g + groups, g + 2 x groups, ...: its maximum
+    # and its bounds' sum are taken element by element across rows of
+    # ``groups`` blocks, where consecutive blocks need a reduction inside a vector.
+    group_maxima = _across(maxima, per_group, jnp.maximum)
     inverse = 1.0 / jnp.maximum(temperature, MIN_TEMPERATURE)  # [S]
     best = jnp.max(group_maxima, axis=1)  # [S]
     # min_p drops what is less likely than its share of the best token.
@@ -554,45 +561,88 @@ def draw_by_blocks(
 
     count = min(CANDIDATE_GROUPS, groups)
     candidates = jax.lax.top_k(group_maxima, count)[1]  # [S, C]
-    exact = _weights(_block_values(logits, candidates, size * per_group), scale)
-    exact = exact.reshape(seqs, count, per_group, size).sum(axis=3)  # [S, C, blocks]
-    held = (candidates[..., None] * per_group + jnp.arange(per_group)).reshape(seqs, -1)
+    stride = groups * jnp.arange(per_group)
+    held = (candidates[..., None] + stride).reshape(seqs, -1)  # [S, C x blocks]
+    held_weights = _weights(_block_values(logits, held, size), scale)  # [S, C x blocks, size]
     row = jnp.arange(seqs)[:, None]
-    bound = (size * _weights(maxima, scale)).at[row, held].set(exact.reshape(seqs, -1))
+    # min_p's cut is left out of a block's bound: still an upper bound, and
+    # its entries under the cut are refused by their own (zero) weight.
+    bound = size * jnp.exp((maxima - best[:, None]) * inverse[:, None])
+    bound = bound.at[row, held].set(held_weights.sum(axis=2))
     # Summed apart: XLA:CPU fused the sum into the running sum's product, 0.5 ms.
-    group_bound = jax.lax.optimization_barrier(bound.reshape(seqs, groups, per_group).sum(axis=2))
+    group_bound = jax.lax.optimization_barrier(_across(bound, per_group, jnp.add))
     by_group = running_sum(group_bound)  # [S, groups]
 
+    def propose(proposed: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(whether a proposal was kept [S], the first kept one's token [S])
+        from ``proposed [S, P, 4]``: a proposal's four uniform numbers."""
+        count = proposed.shape[1]
+        group = _search(by_group, proposed[..., 0] * by_group[:, -1:])  # [S, P]
+        members = group[..., None] + stride  # [S, P, blocks of the group]
+        offers = jax.lax.optimization_barrier(bound[row[..., None], members])
+        cumulative = running_sum(offers.reshape(-1, per_group)).reshape(offers.shape)
+        within = _falls_on(cumulative, proposed[..., 1] * cumulative[..., -1])
+        block = group + groups * within
+        offered = jnp.take_along_axis(offers, within[..., None], axis=2)[..., 0]
+        # A block of a candidate group is offered by its exact mass, so kept;
+        # any other offers one of its entries, uniformly, kept by the entry's
+        # weight over the largest the block's maximum allows (its bound over
+        # its size): each entry is then drawn by its weight, from one logit.
+        slot = jnp.minimum((proposed[..., 2] * size).astype(jnp.int32), size - 1)
+        weight = _weights(jax.lax.optimization_barrier(logits[row, block * size + slot]), scale)
+        is_exact = jnp.any(group[..., None] == candidates[:, None, :], axis=2)  # [S, P]
+        kept = (offered > 0) & (is_exact | (proposed[..., 3] * offered < size * weight))
+        first = _first_where(kept, count)  # [S]
+        taken = jnp.minimum(first, count - 1)[:, None]
+
+        def at_first(values: jax.Array) -> jax.Array:
+            return jnp.take_along_axis(values, taken, axis=1)[:, 0]
+
+        chosen = at_first(block)
+        # A kept candidate block's entry, by the weights its exact mass summed.
+        held_at = jnp.argmax(held == chosen[:, None], axis=1)
+        inside = _pick(held_weights[row[:, 0], held_at], at_first(proposed[..., 2]))
+        entry = jnp.where(at_first(is_exact), inside, at_first(slot))
+        return first < count, chosen * size + entry
+
     lanes = 4 * PROPOSALS
-    draws = uniforms(seeds, positions, jnp.int32(0), lanes + 3)
-    proposed = draws[:, :lanes].reshape(seqs, PROPOSALS, 4)
-    group = _search(by_group, proposed[..., 0] * by_group[:, -1:])  # [S, P]
-    offers = _block_values(bound, group, per_group)  # [S, P, blocks of the group]
-    cumulative = running_sum(offers.reshape(-1, per_group)).reshape(offers.shape)
-    target = proposed[..., 1] * cumulative[..., -1]
-    within = _falls_on(cumulative, target)
-    block = group * per_group + within
-    offered = jnp.take_along_axis(offers, within[..., None], axis=2)[..., 0]
-    weight = _weights(_block_values(logits, block, size), scale)  # [S, P, size]
-    cumulative = running_sum(weight.reshape(-1, size)).reshape(weight.shape)
-    mass = cumulative[..., -1]
-    is_exact = jnp.any(group[..., None] == candidates[:, None, :], axis=2)  # [S, P]
-    kept = is_exact | (proposed[..., 2] * offered < mass)
-    target = proposed[..., 3] * mass
-    entry = _falls_on(cumulative, target)
-    # Rounding may land on a block or an entry of no weight: that proposal is refused.
-    chosen = jnp.take_along_axis(weight, entry[..., None], axis=2)[..., 0]
-    kept &= (offered > 0) & (chosen > 0)
-    first = _first_where(kept, PROPOSALS)  # [S]
-    taken = jnp.minimum(first, PROPOSALS - 1)[:, None]
-    tokens = jnp.take_along_axis(block * size + entry, taken, axis=1)[:, 0]
-    done = (first < PROPOSALS) | ~rows
+
+    def proposals(first: int, last: int) -> jax.Array:
+        """The uniform numbers [S, P, 4] of proposals ``first`` to ``last`` - 1."""
+        draws = uniforms(seeds, positions, jnp.int32(0), lanes + 3, (4 * first, 4 * last))
+        return draws.reshape(seqs, last - first, 4)
+
+    # Most rows keep one of their first few proposals: the rest are made
+    # only when a row of the batch has kept none of them.
+    early = min(EARLY_PROPOSALS, PROPOSALS)
+    kept, tokens = propose(proposals(0, early))
+
+    def later() -> tuple[jax.Array, jax.Array]:
+        kept_later, drawn = propose(proposals(early, PROPOSALS))
+        return kept | kept_later, jnp.where(kept, tokens, drawn)
+
+    if early < PROPOSALS:
+        kept, tokens = jax.lax.cond(jnp.all(kept | ~rows), lambda: (kept, tokens), later)
+    done = kept | ~rows
 
     def exact_pass() -> jax.Array:
-        drawn = exact_draw(logits, scale, size * per_group, draws[:, lanes:])
+        draws = uniforms(seeds, positions, jnp.int32(0), lanes + 3, (lanes, lanes + 3))
+        drawn = exact_draw(logits, scale, size * per_group, draws)
         return jnp.where(done, tokens, drawn)
 
     return jax.lax.cond(jnp.all(done), lambda: tokens, exact_pass)
+
+
+def _across(values: jax.Array, parts: int, combine: Any) -> jax.Array:
+    """``values [S, parts x N]`` seen as ``parts`` slices of N, combined
+    element by element (``[S, N]``): one loop of XLA:CPU, where a
+    reduction over the middle axis of ``[S, parts, N]`` went to a library
+    kernel about ten times slower at these sizes."""
+    width = values.shape[1] // parts
+    out = values[:, :width]
+    for part in range(1, parts):
+        out = combine(out, values[:, part * width : (part + 1) * width])
+    return out
 
 
 def _falls_on(cumulative: jax.Array, targets: jax.Array) -> jax.Array:
@@ -715,14 +765,22 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def uniforms(seeds: jax.Array, positions: jax.Array, number: jax.Array, count: int) -> jax.Array:
+def uniforms(
+    seeds: jax.Array,
+    positions: jax.Array,
+    number: jax.Array,
+    count: int,
+    lanes: tuple[int, int] | None = None,
+) -> jax.Array:
     """``count`` numbers per row, uniform in [0, 1) on a grid of 2^-24, from
     a hash of the row's seed, the position of the token it samples,
     ``number`` and the lane: a counter-based generator of a few integer
     operations per number, reproducible whatever the batch. (JAX's
     threefry key derivation runs as a loop of small steps on XLA:CPU, about
-    0.1 ms a call: more than a whole draw.)"""
-    lane = jnp.arange(count, dtype=jnp.uint32)[None, :]
+    0.1 ms a call: more than a whole draw.) ``lanes``: (start, stop), only
+    those of the ``count`` numbers, the same as sliced from all of them."""
+    start, stop = lanes or (0, count)
+    lane = jnp.arange(start, stop, dtype=jnp.uint32)[None, :]
     seeded = _mix(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
     row = _mix(seeded ^ positions.astype(jnp.uint32))
     bits = _mix(row[:, None] ^ _mix(number.astype(jnp.uint32) * jnp.uint32(count) + lane + 1))

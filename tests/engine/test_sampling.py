@@ -31,6 +31,7 @@ from kvd.engine.sampling import (
     sample,
     sampling_batch,
     top_candidates,
+    uniforms,
 )
 from kvd.sched.constraint import allowed_tokens, mask_words
 
@@ -680,6 +681,52 @@ def test_draws_refused_too_often_end_on_exact_masses(
     assert probs[draws].min() > 0
     statistic, bound = _chi_square_ok(draws, probs)
     assert statistic < bound, (statistic, bound)
+
+
+def test_rows_that_keep_no_early_proposal_draw_from_the_later_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With one early proposal, most rows of flat logits keep none of it
+    and take their draw from the later proposals, made for the batch only
+    then: the distribution stays the softmax's, and a row that kept its
+    early proposal keeps its token whatever the rest of its batch did."""
+    import kvd.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "EARLY_PROPOSALS", 1)
+    row = _draw_rows("flat")
+    probs = np.exp(row.astype(np.float64) - row.max())
+    probs /= probs.sum()
+    patched = jax.jit(lambda logits, batch: sample(logits, batch))  # see above
+    draws = _softmax_draws(row, 1.0, 0.0, step=patched)
+    statistic, bound = _chi_square_ok(draws, probs)
+    assert statistic < bound, (statistic, bound)
+    # A row that kept its early proposal draws the same token whether or
+    # not another row of its batch made the later ones.
+    logits = jnp.asarray(np.stack([_draw_rows("peaked"), row], axis=0))
+    for seed in range(16):
+        batch = sampling_batch(
+            2,
+            temperature=jnp.ones(2, jnp.float32),
+            seeds=jnp.asarray([seed, seed + 100], jnp.uint32),
+            positions=jnp.asarray([seed, seed], jnp.int32),
+        )
+        together = np.asarray(patched(logits, batch)[0])
+        alone_batch = SamplingBatch(*(None if field is None else field[:1] for field in batch))
+        alone = np.asarray(patched(logits[:1], alone_batch)[0])
+        assert int(alone[0]) == int(together[0]), seed
+
+
+def test_uniforms_made_in_part_are_those_made_whole() -> None:
+    """A draw makes its later proposals' numbers only when it needs them:
+    they are the same as when all are made at once, and differ by lane,
+    row, position and seed."""
+    seeds = jnp.asarray([1, 1, 2], jnp.uint32)
+    positions = jnp.asarray([5, 6, 5], jnp.int32)
+    whole = np.asarray(uniforms(seeds, positions, jnp.int32(0), 515))
+    part = np.asarray(uniforms(seeds, positions, jnp.int32(0), 515, (256, 515)))
+    np.testing.assert_array_equal(whole[:, 256:], part)
+    assert len(np.unique(whole)) > 0.99 * whole.size
+    assert whole.min() >= 0.0 and whole.max() < 1.0
 
 
 def test_an_exact_draw_is_the_rows_own_whatever_the_batch_width() -> None:
