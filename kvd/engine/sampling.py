@@ -530,15 +530,17 @@ def draw_by_blocks(
     largest maxima, where a peaked row's mass lies, offer their blocks'
     exact masses instead, always kept, the entry then drawn by its weight.
     A proposal is kept at least one time in 32 whatever the logits, and
-    about one time in five on the 270M's at temperature 1 (median: the
-    third). Group g holds blocks g, g + groups, ... (strided), so that the
-    groups' maxima and sums are taken element by element.
+    about one time in eight on the 270M's at temperature 1 (half the rows
+    keep one of their first four). Group g holds blocks g, g + groups, ...
+    (strided), so that the groups' maxima and sums are taken element by
+    element (contiguous groups, whose candidates held more of the mass,
+    made the draw slower).
 
     ``EARLY_PROPOSALS`` proposals per row are made at once, each a group by
     the groups' bounds, a block of it by theirs, then an entry; the row
     takes its first kept one. Only when a row of the batch kept none are
     the rest of ``PROPOSALS`` made (on the 270M's logits at temperature 1,
-    about one row in 850 needs more than 64). A row with none kept at all
+    about one row in 430 needs more than 64, one in 80 at 1.5). A row with none kept at all
     draws from every entry's exact weight (``exact_draw``). Each row's
     random numbers come from its seed and position (``uniforms``), a
     proposal's wherever it is made: what a row draws depends on its logits
