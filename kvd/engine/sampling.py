@@ -540,11 +540,11 @@ def draw_by_blocks(
     the groups' bounds, a block of it by theirs, then an entry; the row
     takes its first kept one. Only when a row of the batch kept none are
     the rest of ``PROPOSALS`` made (on the 270M's logits at temperature 1,
-    about one row in 430 needs more than 64, one in 80 at 1.5). A row with none kept at all
-    draws from every entry's exact weight (``exact_draw``). Each row's
-    random numbers come from its seed and position (``uniforms``), a
-    proposal's wherever it is made: what a row draws depends on its logits
-    and those alone."""
+    about one row in 430 needs more than 64, one in 80 at 1.5). A row with
+    none kept at all draws from every entry's exact weight
+    (``exact_draw``). Each row's random numbers come from its seed and
+    position (``uniforms``), a proposal's wherever it is made: what a row
+    draws depends on its logits and those alone."""
     seqs, vocab = logits.shape
     size = _divisor(vocab, DRAW_BLOCK)
     maxima = block_maxima(logits, size)  # [S, blocks]
