@@ -576,7 +576,7 @@ def draw_by_blocks(
     def propose(proposed: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(whether a proposal was kept [S], the first kept one's token [S])
         from ``proposed [S, P, 4]``: a proposal's four uniform numbers."""
-        count = proposed.shape[1]
+        made = proposed.shape[1]
         group = _search(by_group, proposed[..., 0] * by_group[:, -1:])  # [S, P]
         members = group[..., None] + stride  # [S, P, blocks of the group]
         offers = jax.lax.optimization_barrier(bound[row[..., None], members])
@@ -592,8 +592,8 @@ def draw_by_blocks(
         weight = _weights(jax.lax.optimization_barrier(logits[row, block * size + slot]), scale)
         is_exact = jnp.any(group[..., None] == candidates[:, None, :], axis=2)  # [S, P]
         kept = (offered > 0) & (is_exact | (proposed[..., 3] * offered < size * weight))
-        first = _first_where(kept, count)  # [S]
-        taken = jnp.minimum(first, count - 1)[:, None]
+        first = _first_where(kept, made)  # [S]
+        taken = jnp.minimum(first, made - 1)[:, None]
 
         def at_first(values: jax.Array) -> jax.Array:
             return jnp.take_along_axis(values, taken, axis=1)[:, 0]
@@ -603,7 +603,7 @@ def draw_by_blocks(
         held_at = jnp.argmax(held == chosen[:, None], axis=1)
         inside = _pick(held_weights[row[:, 0], held_at], at_first(proposed[..., 2]))
         entry = jnp.where(at_first(is_exact), inside, at_first(slot))
-        return first < count, chosen * size + entry
+        return first < made, chosen * size + entry
 
     lanes = 4 * PROPOSALS
 
