@@ -8,7 +8,8 @@ a one-row case is timed alternately with the batch it is compared with (the
 same logits, no row asking), so a drift of the machine's speed between them
 does not show as a cost. Greedy is also timed in turn with a pass that only
 reads the same logits (``jnp.max``: the floor of any choice), and
-temperature alone with greedy.
+temperature alone with greedy. Calls timed in turn take every order
+equally often: a call's time depends on what ran just before it.
 
 Those logits are made up: normal noise with a few tokens far ahead, where
 the rejection sampler's candidates hold the mass. A real model's next-token
@@ -18,6 +19,8 @@ along a text (``--model-logits``)."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -185,14 +188,14 @@ def run_sampling_bench(
     read = jax.jit(lambda logits: jnp.max(logits, axis=1))
     peaked_logits = inputs["greedy"][0]
     jax.block_until_ready(read(peaked_logits))
-    triples = [
-        (
-            _call(read, (peaked_logits,)),
-            _call(step, inputs["greedy"]),
-            _call(step, inputs["temperature alone"]),
-        )
-        for _ in range(ROUNDS * repeats)
-    ]
+    triples = _in_turn(
+        {
+            "read": lambda: _call(read, (peaked_logits,)),
+            "greedy": lambda: _call(step, inputs["greedy"]),
+            "temperature": lambda: _call(step, inputs["temperature alone"]),
+        },
+        ROUNDS * repeats,
+    )
     base = timed["temperature alone"]
     return SamplingReport(
         batch,
@@ -207,9 +210,9 @@ def run_sampling_bench(
             )
             for name in cases
         ],
-        read_ms=round(1000 * min(r for r, _, _ in triples), 2),
-        greedy_to_read=round(statistics.median(g / r for r, g, _ in triples), 2),
-        temperature_to_greedy=round(statistics.median(t / g for _, g, t in triples), 2),
+        read_ms=round(1000 * min(r["read"] for r in triples), 2),
+        greedy_to_read=round(_median_ratio(triples, "greedy", "read"), 2),
+        temperature_to_greedy=round(_median_ratio(triples, "temperature", "greedy"), 2),
         model=model,
     )
 
@@ -294,28 +297,57 @@ def _model_figures(batch: int, repeats: int) -> ModelLogitsFigures:
     jax.block_until_ready(weigh(logits))
     # Each call other seeds: other proposals, as a running batch draws. The
     # batches are made (and their arrays computed) before any is timed.
-    drawing = jax.block_until_ready([params(1.0, call) for call in range(ROUNDS * repeats)])
-    rounds = [
-        (
-            _call(read, (logits,)),
-            _call(step, (logits, greedy)),
-            _call(step, (logits, batch)),
-            _call(weigh, (logits,)),
-        )
-        for batch in drawing
-    ]
-    reads, greedies, draws, weighs = (statistics.median(v) for v in zip(*rounds, strict=True))
+    made = _balanced(ROUNDS * repeats, 4)
+    drawing = iter(jax.block_until_ready([params(1.0, call) for call in range(made)]))
+    rounds = _in_turn(
+        {
+            "read": lambda: _call(read, (logits,)),
+            "greedy": lambda: _call(step, (logits, greedy)),
+            "temperature": lambda: _call(step, (logits, next(drawing))),
+            "weigh": lambda: _call(weigh, (logits,)),
+        },
+        ROUNDS * repeats,
+    )
+
+    def ms(name: str) -> float:
+        return round(1000 * statistics.median(r[name] for r in rounds), 3)
+
     return ModelLogitsFigures(
         name,
         batch,
-        round(1000 * reads, 3),
-        round(1000 * greedies, 3),
-        round(1000 * draws, 3),
-        round(statistics.median(g / r for r, g, _, _ in rounds), 2),
-        round(statistics.median(t / g for _, g, t, _ in rounds), 2),
-        round(1000 * weighs, 3),
-        round(statistics.median(t / w for _, _, t, w in rounds), 2),
+        ms("read"),
+        ms("greedy"),
+        ms("temperature"),
+        round(_median_ratio(rounds, "greedy", "read"), 2),
+        round(_median_ratio(rounds, "temperature", "greedy"), 2),
+        ms("weigh"),
+        round(_median_ratio(rounds, "temperature", "weigh"), 2),
     )
+
+
+def _in_turn(passes: dict[str, Callable[[], float]], rounds: int) -> list[dict[str, float]]:
+    """Each pass's time (what it returns) in each of at least ``rounds``
+    rounds, every pass called once a round, the rounds taking the passes'
+    orders in turn (as many rounds as make each order come equally often).
+    A call's time depends on where it comes in its round: on the AMD EPYC,
+    32 rows of the 270M's logits, temperature alone took 1.46x greedy when
+    it came third after a read and greedy, 0.97x when it came second,
+    before greedy (median ratios, 60 rounds of each order, in one run), so
+    a fixed order measures the order as well as the passes."""
+    orders = list(itertools.permutations(passes))
+    total = _balanced(rounds, len(passes))
+    return [{name: passes[name]() for name in orders[i % len(orders)]} for i in range(total)]
+
+
+def _balanced(rounds: int, passes: int) -> int:
+    """The rounds ``_in_turn`` makes of ``passes`` passes: ``rounds``,
+    rounded up to a multiple of their orders' number."""
+    orders = math.factorial(passes)
+    return -(-rounds // orders) * orders
+
+
+def _median_ratio(rounds: list[dict[str, float]], case: str, base: str) -> float:
+    return statistics.median(r[case] / r[base] for r in rounds)
 
 
 def _call(step: Callable[..., Any], args: tuple[Any, ...]) -> float:
@@ -334,10 +366,13 @@ def _alternately(
     step: Callable[..., Any], base: tuple[Any, ...], case: tuple[Any, ...], repeats: int
 ) -> tuple[float, float]:
     """(best time of ``case``, median ratio of ``case`` to ``base``), the two
-    called in turn: a slower or faster spell of the machine falls on both
-    halves of a pair, and the median drops the pairs it split."""
-    pairs = [(_call(step, base), _call(step, case)) for _ in range(2 * repeats)]
-    return min(c for _, c in pairs), statistics.median(c / b for b, c in pairs)
+    called in turn, each first in half the pairs (``_in_turn``): a slower
+    or faster spell of the machine falls on both halves of a pair, and the
+    median drops the pairs it split."""
+    pairs = _in_turn(
+        {"base": lambda: _call(step, base), "case": lambda: _call(step, case)}, 2 * repeats
+    )
+    return min(p["case"] for p in pairs), _median_ratio(pairs, "case", "base")
 
 
 def render(report: SamplingReport) -> str:
