@@ -161,16 +161,13 @@ def sample(
 def _choose(logits: jax.Array, params: SamplingBatch) -> jax.Array:
     """The token [S] of each row of ``logits`` (already adjusted)."""
     greedy = params.temperature == 0.0
-    # A batch that draws every row never reads the logits for an argmax.
-    which = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.any(greedy), 1, 2))
-    return jax.lax.switch(
-        which,
-        [
-            lambda: first_argmax(logits),
-            lambda: jnp.where(greedy, first_argmax(logits), _draw(logits, params)),
-            lambda: _draw(logits, params),
-        ],
-    )
+    none = jnp.zeros(logits.shape[0], jnp.int32)
+    # A batch that draws every row never reads the logits for an argmax,
+    # nor a greedy one draws. Each is compiled once: a program's every
+    # branch, taken or not, costs XLA:CPU time at each execution.
+    argmax = jax.lax.cond(jnp.any(greedy), lambda: first_argmax(logits), lambda: none)
+    drawn = jax.lax.cond(jnp.all(greedy), lambda: none, lambda: _draw(logits, params))
+    return jnp.where(greedy, argmax, drawn)
 
 
 ADJUSTED_ROWS = (8,)  # rows adjusted apart from the batch when only a few ask
