@@ -134,14 +134,7 @@ def sample(
     would copy them), and on adjusted ones (``_choose_adjusted``).
     """
 
-    # Unadjusted logits are read where they are: a branch that returned them
-    # unchanged would copy them (32 MiB at batch 32, more than the choice).
-    adjusted = adjusted_rows(params)
-    tokens = jax.lax.cond(
-        jnp.any(adjusted),
-        lambda: _choose_adjusted(logits, params, end_ids, adjusted),
-        lambda: _choose(logits, params),
-    )
+    tokens = _choose_adjusted(logits, params, end_ids, adjusted_rows(params))
     top = min(MAX_TOP_LOGPROBS, logits.shape[1])
 
     def chosen_logprobs(asked: jax.Array, rows: jax.Array) -> jax.Array:
@@ -181,17 +174,30 @@ def _choose_adjusted(
     Adjusting changes the logits in place, and the program's logits are
     also read as they are (the logprobs, the batch's other rows), so
     XLA:CPU copies them first (32 rows of a 262,144-token vocabulary: 1.5
-    ms, on one thread, and more where the copy's pages are new). When at
-    most ``ADJUSTED_ROWS[-1]`` rows are adjusted, those rows are gathered
-    apart (in the smallest width of ``ADJUSTED_ROWS`` that holds them),
-    adjusted and chosen from, and the batch's choice reads the rest in
-    place; a row chooses the same token either way. Each width is one more
-    choice to compile (about 2.5 s at 32 rows), so there are few, and none
-    where the batch's logits are under ``APART_BYTES`` (a copy of them
-    costs less than a millisecond)."""
+    ms, on one thread, and more where the copy's pages are new). So a
+    batch with no row adjusted chooses from the logits where they are (a
+    branch that returned them unchanged would copy them too). When at most
+    ``ADJUSTED_ROWS[-1]`` rows are adjusted, those rows are gathered apart
+    (in the smallest width of ``ADJUSTED_ROWS`` that holds them), adjusted
+    and chosen from, and the rest keep the batch's choice from the logits
+    where they are; a row chooses the same token either way. More, and the
+    whole batch is adjusted and chosen from. The choice from the logits
+    where they are is compiled once, shared by the first two; each width
+    is one more choice to compile (about 2.5 s at 32 rows), so there are
+    few, and none where the batch's logits are under ``APART_BYTES`` (a
+    copy of them costs less than a millisecond)."""
     seqs = logits.shape[0]
     worth = logits.size * logits.dtype.itemsize >= APART_BYTES
     widths = [width for width in ADJUSTED_ROWS if width < seqs] if worth else []
+    count = jnp.sum(rows)
+    # 0: no row adjusted; 1 to len(widths): apart, in that width; then every row.
+    which = jnp.where(count == 0, 0, 1 + jnp.searchsorted(jnp.asarray(widths + [seqs]), count))
+    every = len(widths) + 1
+    plain = jax.lax.cond(
+        which == every,
+        lambda: jnp.zeros(seqs, jnp.int32),
+        lambda: _choose(logits, params),
+    )
 
     def apart(width: int) -> Any:
         def run() -> jax.Array:
@@ -199,15 +205,14 @@ def _choose_adjusted(
             at = jnp.minimum(ids, seqs - 1)
             own = jax.tree.map(lambda field: field[at], params)
             picked = _choose(adjusted_logits(logits[at], own, end_ids), own)
-            return _choose(logits, params).at[ids].set(picked, mode="drop")
+            return plain.at[ids].set(picked, mode="drop")
 
         return run
 
-    def every() -> jax.Array:
+    def whole() -> jax.Array:
         return _choose(adjusted_logits(logits, params, end_ids), params)
 
-    which = jnp.searchsorted(jnp.asarray(widths + [seqs]), jnp.sum(rows))
-    return jax.lax.switch(which, [apart(width) for width in widths] + [every])
+    return jax.lax.switch(which, [lambda: plain] + [apart(width) for width in widths] + [whole])
 
 
 BLOCK = 256  # vocabulary entries per block of ``block_maxima``
