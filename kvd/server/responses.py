@@ -28,6 +28,16 @@ from kvd.server.textstream import TextStream
 
 log = structlog.get_logger("kvd")
 _encoder = msgspec.json.Encoder()
+# Characters JSON leaves unescaped but Unicode counts as line breaks (as
+# UTF-8): a client that splits the event stream into lines the way
+# ``str.splitlines`` does (httpx's ``iter_lines``) would cut an event in
+# two. Escaped, any JSON parser reads the same text. In UTF-8 no other
+# character holds these bytes.
+_LINE_BREAKS = (
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+    (b"\xc2\x85", b"\\u0085"),
+)
 
 
 def _joined(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
@@ -389,7 +399,11 @@ class Relay:
 
     @staticmethod
     def _event(body: Any) -> bytes:
-        return b"data: " + _encoder.encode(body) + b"\n\n"
+        data = _encoder.encode(body)
+        if b"\xe2\x80" in data or b"\xc2\x85" in data:
+            for raw, escaped in _LINE_BREAKS:
+                data = data.replace(raw, escaped)
+        return b"data: " + data + b"\n\n"
 
     def close(self) -> None:
         """However the relay ends (idempotent): cancels the request if it is

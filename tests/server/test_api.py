@@ -208,6 +208,30 @@ async def test_echo_puts_the_prompt_before_each_choice(served: Served) -> None:
     await served.assert_whole()
 
 
+async def test_streamed_text_with_unicode_line_breaks_stays_one_event_a_line(
+    served: Served,
+) -> None:
+    """U+2028, U+2029 and U+0085 are legal raw in JSON, but a client that
+    splits the event stream the way ``str.splitlines`` does (httpx's own
+    ``aiter_lines``) would cut an event holding one: they are sent escaped,
+    and every line parses to the same text."""
+    prompt = "one\u2028two\u2029three\x85four " + LONG_PROMPT
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True}
+    transport = httpx.ASGITransport(app=served.daemon.http_app)  # type: ignore[arg-type]
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://kvd") as http:
+        whole = (await http.post("/v1/completions", json=body, headers=headers)).json()
+        async with http.stream(
+            "POST", "/v1/completions", json=body | {"stream": True}, headers=headers
+        ) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["text"] == prompt
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    await served.assert_whole()
+
+
 async def test_echo_with_logprobs_gives_the_prompts_own(served: Served) -> None:
     """echo with logprobs: the prompt's tokens come first in the logprobs, the
     first with none, each other with the executor's score of it and its
