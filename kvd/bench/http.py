@@ -49,6 +49,9 @@ class LoadReport(msgspec.Struct, frozen=True):
     itl_p50_s: float
     itl_p99_s: float
     tokens_per_chunk: float  # streamed tokens per SSE chunk: above 1 when chunks coalesce
+    # Event lines that were not JSON (as ``aiter_lines`` splits them): each
+    # one counted, where it once ended the whole run with a traceback.
+    malformed_events: int = 0
     daemon_peak_rss_gib: float | None = None
     overlap: bool = True  # the daemon's scheduler.overlap
     inprocess_output_tokens_per_s: float | None = None
@@ -118,6 +121,7 @@ class _Stats:
         self.errors_5xx = 0
         self.errors_other = 0
         self.incomplete = 0
+        self.malformed = 0
         self.tokens = 0
         self.ttft: list[float] = []
         self.itl: list[float] = []
@@ -171,7 +175,11 @@ async def _client(
                     if data == "[DONE]":
                         done = True  # read on to the end: the body closes cleanly
                         continue
-                    chunk = json.loads(data)
+                    try:
+                        chunk = json.loads(data)
+                    except json.JSONDecodeError:
+                        stats.malformed += 1
+                        continue
                     if chunk.get("usage"):
                         stats.tokens += chunk["usage"]["completion_tokens"]
                     if chunk["choices"]:
@@ -307,6 +315,7 @@ def run_http_load(
         errors_5xx=stats.errors_5xx,
         errors_other=stats.errors_other,
         incomplete_streams=stats.incomplete,
+        malformed_events=stats.malformed,
         leaked_pages=leaked,
         requests_per_s=round(stats.requests / elapsed, 2),
         output_tokens_per_s=round(stats.tokens / elapsed, 1),
@@ -388,7 +397,7 @@ def render(report: LoadReport) -> str:
         f"{'overlapped' if report.overlap else 'serial'} steps",
         f"requests {report.requests} ({report.requests_per_s}/s), 5xx {report.errors_5xx}, "
         f"other errors {report.errors_other}, incomplete streams {report.incomplete_streams}, "
-        f"leaked pages {report.leaked_pages}",
+        f"malformed events {report.malformed_events}, leaked pages {report.leaked_pages}",
         f"output tokens/s {report.output_tokens_per_s}",
         f"TTFT p50 {report.ttft_p50_s} s, p99 {report.ttft_p99_s} s; "
         f"ITL p50 {report.itl_p50_s} s, p99 {report.itl_p99_s} s (between chunks), "

@@ -465,4 +465,5 @@ def test_bench_http_bounded_load(daemon_env: DaemonEnv, monkeypatch: pytest.Monk
     print(render(report))
     assert report.requests > 12
     assert report.errors_5xx == report.errors_other == report.incomplete_streams == 0
+    assert report.malformed_events == 0
     assert report.leaked_pages == 0
