@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from kvd.bench import sse
+
 KEY = "kvd-bench-key"
 PROMPTS = [
     "The history of the printing press begins",
@@ -141,7 +143,7 @@ def one_stream(url: str, prompt: str, tokens: int) -> tuple[float, float]:
         timeout=600,
     ) as reply:
         reply.raise_for_status()
-        for line in reply.iter_lines():
+        for line in sse.lines(reply.iter_text()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

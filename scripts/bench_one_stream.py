@@ -54,6 +54,8 @@ from typing import Any
 
 import httpx
 
+from kvd.bench import sse
+
 SHARED_TEXT = (
     "You are a careful assistant for a small public library. The library opens at nine in "
     "the morning and closes at six in the evening on weekdays, and at one in the afternoon "
@@ -100,7 +102,7 @@ def one_request(
     arrivals: list[float] = []
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
+        for line in sse.lines(response.iter_text()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from kvd.bench import sse
+
 
 class DaemonShape(msgspec.Struct, frozen=True):
     """A benchmark daemon's engine and pool: what its warm-up compiles."""
@@ -138,7 +140,7 @@ def stream_completion(url: str, key: str, body: dict[str, Any]) -> Completion:
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"{response.status_code}: {response.text}")
-        for line in response.iter_lines():
+        for line in sse.lines(response.iter_text()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

@@ -26,6 +26,7 @@ from pathlib import Path
 import msgspec
 
 from kvd.bench.kv import machine_description
+from kvd.bench.sse import alines
 
 KEY = "kvd-bench"
 
@@ -168,7 +169,7 @@ async def _client(
                     stats.errors_other += 1
                     await trio.sleep(0.1)
                     continue
-                async for line in r.aiter_lines():
+                async for line in alines(r.aiter_text()):
                     if not line.startswith("data: "):
                         continue
                     data = line[6:]

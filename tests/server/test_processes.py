@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvd.bench import sse
 from kvd.engine.heap import glibc
 from tests.conftest import short_dir
 from tests.server.conftest import (
@@ -128,7 +129,7 @@ def stream(daemon: DaemonProcess, prompt: str, max_tokens: int, key: str = ALICE
                 out.status = response.status_code
                 if response.status_code != 200:
                     out.error = json.loads(response.read())["error"]
-                for line in response.iter_lines():
+                for line in sse.lines(response.iter_text()):
                     if line.startswith("data: "):
                         out.lines.append(line.removeprefix("data: "))
                         if out.first_at is None:
