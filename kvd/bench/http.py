@@ -50,8 +50,8 @@ class LoadReport(msgspec.Struct, frozen=True):
     itl_p50_s: float
     itl_p99_s: float
     tokens_per_chunk: float  # streamed tokens per SSE chunk: above 1 when chunks coalesce
-    # Event lines that were not JSON (as ``aiter_lines`` splits them): each
-    # one counted, where it once ended the whole run with a traceback.
+    # Event lines that were not JSON: each one counted, where one once
+    # ended the whole run with a traceback.
     malformed_events: int = 0
     daemon_peak_rss_gib: float | None = None
     overlap: bool = True  # the daemon's scheduler.overlap

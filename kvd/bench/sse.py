@@ -29,7 +29,7 @@ class _Splitter:
 
     def end(self) -> list[str]:
         """The last line, if the text did not end with a break (or ended
-        with a held ``\r``)."""
+        with a held ``\\r``)."""
         pending, self.pending = self.pending, ""
         return [pending.removesuffix("\r")] if pending else []
 
