@@ -39,6 +39,14 @@ compute threads under their own names; and this client's own CPU per
 chunk. On a machine whose cores the step keeps busy, the event loop's and
 the client's CPU is what the gap pays beside the step; unlike the gap, it
 holds still while the machine's speed swings.
+
+``--burn MS`` (with ``--inprocess``) adds a third arm to each round: the
+same in-process requests while another process spins ``MS`` of CPU once a
+token (its period is that round's in-process gap), as a server's event loop
+and its client would, with none of their work. Its median difference from
+the plain in-process arm is what that much CPU alone costs the step on
+these cores; next to the server's difference, it tells whether the serving
+path costs anything beside its CPU (a wait, a hand-off late).
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -254,6 +264,64 @@ class ThreadCpu:
         return "\n".join(lines)
 
 
+# Spins a CPU time (argv[1], seconds) once a period (argv[2]), by its own
+# thread's clock: the CPU is spent however often the process is preempted.
+_BURNER = """
+import sys, time
+cpu, period = float(sys.argv[1]), float(sys.argv[2])
+print("spinning", flush=True)
+while True:
+    woke = time.perf_counter()
+    until = time.thread_time() + cpu
+    while time.thread_time() < until:
+        pass
+    time.sleep(max(0.0, period - (time.perf_counter() - woke)))
+"""
+
+
+class Burner:
+    """Another process on this machine spinning ``cpu_ms`` of CPU once every
+    ``period_s`` while the block runs (``--burn``)."""
+
+    def __init__(self, cpu_ms: float, period_s: float) -> None:
+        self.cpu_ms, self.period_s = cpu_ms, period_s
+        self.process: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> Burner:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _BURNER, str(self.cpu_ms / 1e3), str(self.period_s)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        self.process.stdout.readline()  # it is spinning
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            if self.process.stdout is not None:
+                self.process.stdout.close()
+            self.process = None
+
+
+def burn_round(
+    inprocess: InProcess, prompts: list[list[int]], cpu_ms: float, gap_ms: float
+) -> float:
+    """The in-process mean gap (ms) of ``prompts`` beside a burner spinning
+    ``cpu_ms`` once every ``gap_ms``."""
+    with Burner(cpu_ms, gap_ms / 1e3):
+        return 1e3 * statistics.mean(inprocess.gap(prompt) for prompt in prompts)
+
+
+def _summary(label: str, differences: list[float]) -> str:
+    return (
+        f"{label}, median {statistics.median(differences):+.2f} ms "
+        f"(from {min(differences):+.2f} to {max(differences):+.2f})"
+    )
+
+
 def alternate(
     client: httpx.Client,
     args: Any,
@@ -261,22 +329,37 @@ def alternate(
     prompts: list[list[int]],
     meter: ThreadCpu | None,
 ) -> None:
-    """``--inprocess``: rounds of the same requests in process, then at the server."""
-    differences = []
+    """``--inprocess``: rounds of the same requests in process, then at the
+    server (then in process beside a burner, with ``--burn``)."""
+    differences, burned = [], []
     for number in range(1, args.rounds + 1):
         own = 1e3 * statistics.mean(inprocess.gap(prompt) for prompt in prompts)
+        beside = None
+        if args.burn is not None and number % 2 == 0:  # each second in either place
+            beside = burn_round(inprocess, prompts, args.burn, own)
         served = 1e3 * statistics.mean(server_round(client, args, prompts, meter)[2])
+        if args.burn is not None and beside is None:
+            beside = burn_round(inprocess, prompts, args.burn, own)
         differences.append(served - own)
-        print(
+        line = (
             f"round {number}: {own:.2f} ms between tokens in process, {served:.2f} at the "
-            f"client ({served - own:+.2f})",
-            flush=True,
+            f"client ({served - own:+.2f})"
         )
-    print(
-        f"{args.rounds} rounds of {len(prompts)} requests: the client's gap less the "
-        f"in-process step's, median {statistics.median(differences):+.2f} ms "
-        f"(from {min(differences):+.2f} to {max(differences):+.2f})"
-    )
+        if beside is not None:
+            burned.append(beside - own)
+            line += f", {beside:.2f} in process beside {args.burn:g} ms of CPU a token"
+            line += f" ({beside - own:+.2f})"
+        print(line, flush=True)
+    rounds = f"{args.rounds} rounds of {len(prompts)} requests"
+    print(_summary(f"{rounds}: the client's gap less the in-process step's", differences))
+    if burned:
+        print(
+            _summary(
+                f"{rounds}: the in-process step beside {args.burn:g} ms of another "
+                "process's CPU a token, less the in-process step alone",
+                burned,
+            )
+        )
 
 
 def main() -> None:
@@ -299,6 +382,13 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5, help="Rounds with --inprocess.")
     parser.add_argument(
+        "--burn",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="With --inprocess: also step in process beside a process spinning MS of CPU a token.",
+    )
+    parser.add_argument(
         "--cpu-of",
         type=int,
         default=None,
@@ -310,6 +400,8 @@ def main() -> None:
         parser.error("--inprocess needs --prompt-tokens (the same token ids on both sides)")
     if args.rounds < 1 or args.requests < 1:
         parser.error("--rounds and --requests must be at least 1")
+    if args.burn is not None and (args.inprocess is None or not 0 < args.burn < 1000):
+        parser.error("--burn needs --inprocess, and a CPU time above 0 and under 1000 ms")
     shared = SHARED_TEXT * args.repeat
     prompts: list[str | list[int]] = [f"{shared}Q: {q}\nA:" for q in QUESTIONS]
     warm: str | list[int] = shared + "Q: Hello?\nA:"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import trio
@@ -56,3 +57,34 @@ def test_a_process_not_there_is_refused_before_any_request() -> None:
     )
     assert done.returncode == 1
     assert "--cpu-of 999999999: no such process here" in done.stderr
+
+
+def test_burn_needs_the_in_process_arm() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--url=http://127.0.0.1:9", "--burn=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--burn needs --inprocess" in done.stderr
+
+
+def test_the_burner_spends_cpu_while_it_runs_and_is_gone_after() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_one_stream import Burner
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    with Burner(cpu_ms=2.0, period_s=0.01) as burner:
+        process = burner.process
+        assert process is not None
+        stat = Path(f"/proc/{process.pid}/stat")
+        spent = 0.0
+        deadline = time.monotonic() + 60
+        while spent < 0.05 and time.monotonic() < deadline:  # a condition, not a sleep's length
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            spent = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            time.sleep(0.05)
+        assert spent >= 0.05
+    assert process.poll() is not None  # killed and reaped
