@@ -52,6 +52,8 @@ class Tokenizer:
         self._control = {
             self._sp.id_to_piece(i): i for i in range(self.vocab_size) if self._sp.is_control(i)
         }
+        # A set lookup per streamed token, not a call into SentencePiece.
+        self._control_ids = frozenset(self._control.values())
         names = sorted(self._control, key=len, reverse=True)
         self._control_re = re.compile("|".join(re.escape(n) for n in names)) if names else None
         self.start_of_turn = self._control.get("<start_of_turn>")
@@ -150,7 +152,8 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         """Text of ``ids``; control tokens are dropped, or spelled out if not skipped."""
         if skip_special:
-            return self._sp.decode([i for i in ids if not self._sp.is_control(i)])
+            controls = self._control_ids
+            return self._sp.decode([i for i in ids if i not in controls])
         parts: list[str] = []
         run: list[int] = []
         for i in ids:
