@@ -48,24 +48,24 @@ async def test_one_stream_and_the_servers_cpu_by_thread(tmp_path: Path) -> None:
     assert "(this client)" in by_thread
 
 
-def test_a_process_not_there_is_refused_before_any_request() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--url=http://127.0.0.1:9", "--cpu-of=999999999"],
+def run_script(*flags: str) -> subprocess.CompletedProcess[str]:
+    """The script with ``flags``, against a port nothing listens on."""
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--url=http://127.0.0.1:9", *flags],
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_a_process_not_there_is_refused_before_any_request() -> None:
+    done = run_script("--cpu-of=999999999")
     assert done.returncode == 1
     assert "--cpu-of 999999999: no such process here" in done.stderr
 
 
 def test_burn_needs_the_in_process_arm() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--url=http://127.0.0.1:9", "--burn=1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_script("--burn=1")
     assert done.returncode == 2
     assert "--burn needs --inprocess" in done.stderr
 
