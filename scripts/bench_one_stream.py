@@ -294,7 +294,9 @@ class Burner:
             text=True,
         )
         assert self.process.stdout is not None
-        self.process.stdout.readline()  # it is spinning
+        if self.process.stdout.readline() != "spinning\n":
+            self.__exit__()
+            raise SystemExit("--burn: the burner process did not start")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -335,7 +337,8 @@ def alternate(
     for number in range(1, args.rounds + 1):
         own = 1e3 * statistics.mean(inprocess.gap(prompt) for prompt in prompts)
         beside = None
-        if args.burn is not None and number % 2 == 0:  # each second in either place
+        # The burner's arm comes before the server's in even rounds, after it in odd ones.
+        if args.burn is not None and number % 2 == 0:
             beside = burn_round(inprocess, prompts, args.burn, own)
         served = 1e3 * statistics.mean(server_round(client, args, prompts, meter)[2])
         if args.burn is not None and beside is None:
