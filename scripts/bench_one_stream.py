@@ -212,6 +212,15 @@ def server_round(
     return ttfts, rates, gaps
 
 
+def cpu_seconds(stat_path: str) -> float:
+    """The CPU time a process or thread has spent, from its ``/proc`` stat
+    file: utime and stime, fields 14 and 15 of stat(5) (after the name,
+    which may hold spaces and parentheses)."""
+    with open(stat_path) as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class ThreadCpu:
     """CPU seconds of each thread of a process on this machine (and of this
     client), summed by thread name over spans, per chunk received."""
@@ -225,7 +234,6 @@ class ThreadCpu:
         self.read()  # fails now, clearly, for a process not there
 
     def read(self) -> dict[int, tuple[str, float]]:
-        tick = os.sysconf("SC_CLK_TCK")
         threads = {}
         try:
             tids = os.listdir(f"/proc/{self.pid}/task")
@@ -235,13 +243,11 @@ class ThreadCpu:
             try:
                 with open(f"/proc/{self.pid}/task/{tid}/comm") as comm:
                     name = comm.read().strip()
-                with open(f"/proc/{self.pid}/task/{tid}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
+                seconds = cpu_seconds(f"/proc/{self.pid}/task/{tid}/stat")
             except OSError:
                 continue  # the thread ended meanwhile
-            # utime and stime: fields 14 and 15 of stat(5).
             key = "main" if int(tid) == self.pid else name
-            threads[int(tid)] = (key, (int(fields[11]) + int(fields[12])) / tick)
+            threads[int(tid)] = (key, seconds)
         return threads
 
     def start(self) -> None:
